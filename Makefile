@@ -1,0 +1,28 @@
+# make demo: create .venv, install, run a real generation with speed and acceptance statistics.
+# make test: create/update .venv and run the whole test suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+# --system-site-packages lets a torch the user already has (e.g. a CUDA build) serve the venv;
+# only when none is importable do we install the CPU build, before anything can pull a CUDA one.
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*)
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --upgrade "setuptools>=64" "pybind11>=2.12" wheel
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m specengine.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info specengine/*.so .demo-models

@@ -1,0 +1,64 @@
+// Python bindings of the C++ CPU ops (module specengine._C). The host wrappers in
+// specengine/ validate arguments; these bindings only check what pybind11 cannot.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+
+#include "ngram.h"
+#include "philox.h"
+
+namespace py = pybind11;
+
+namespace {
+
+py::array_t<int64_t> ngram_propose_py(
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> tokens, int64_t min_n,
+    int64_t max_n, int64_t max_drafts) {
+  if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be one-dimensional");
+  if (min_n < 1 || max_n < min_n || max_drafts < 0)
+    throw std::invalid_argument("need 1 <= min_n <= max_n and max_drafts >= 0");
+  std::vector<int64_t> drafts;
+  {
+    py::gil_scoped_release release;
+    drafts = specengine::ngram_propose(tokens.data(), tokens.shape(0), min_n, max_n, max_drafts);
+  }
+  py::array_t<int64_t> out(static_cast<py::ssize_t>(drafts.size()));
+  std::copy(drafts.begin(), drafts.end(), out.mutable_data());
+  return out;
+}
+
+// uniforms[b, k] for (seeds[b], positions[b, k], stream).
+py::array_t<float> philox_uniforms_py(
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> seeds,
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> positions, int64_t stream) {
+  if (seeds.ndim() != 1 || positions.ndim() != 2 || positions.shape(0) != seeds.shape(0))
+    throw std::invalid_argument("need seeds [B] and positions [B, K]");
+  const py::ssize_t B = positions.shape(0), K = positions.shape(1);
+  py::array_t<float> out({B, K});
+  const int64_t* s = seeds.data();
+  const int64_t* p = positions.data();
+  float* o = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    for (py::ssize_t b = 0; b < B; ++b)
+      for (py::ssize_t k = 0; k < K; ++k)
+        o[b * K + k] = specengine::philox_uniform(static_cast<uint64_t>(s[b]),
+                                                  static_cast<uint64_t>(p[b * K + k]),
+                                                  static_cast<uint32_t>(stream));
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "specengine C++ CPU ops";
+  m.def("ngram_propose", &ngram_propose_py, py::arg("tokens"), py::arg("min_n"), py::arg("max_n"),
+        py::arg("max_drafts"),
+        "Tokens that followed the most recent earlier occurrence of the longest re-occurring "
+        "suffix n-gram (min_n <= n <= max_n), at most max_drafts of them.");
+  m.def("philox_uniforms", &philox_uniforms_py, py::arg("seeds"), py::arg("positions"),
+        py::arg("stream"),
+        "Uniforms [B, K] in [0, 1) keyed by (seeds[b], positions[b, k], stream), Philox4x32-10.");
+}

@@ -1,0 +1,18 @@
+"""Builds the C++ CPU ops in csrc/ into specengine._C (pybind11, no torch headers).
+
+The ops take NumPy views of CPU tensors, so building needs neither torch nor a CUDA
+toolkit, and `pip install --no-build-isolation` works on machines without internet.
+"""
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+ext_modules = [
+    Pybind11Extension(
+        "specengine._C",
+        sources=["csrc/bindings.cpp", "csrc/ngram.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    ),
+]
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})

@@ -1,0 +1,6 @@
+"""specengine: lossless speculative decoding (Leviathan, Kalman, Matias, ICML 2023)."""
+from .engine import DecodeStats, Engine, Result
+from .sampling.params import SamplingParams
+
+__all__ = ["DecodeStats", "Engine", "Result", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,61 @@
+"""Command line: `specengine generate ...` streams text to stdout and one statistics line to stderr."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .sampling.params import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specengine", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("--target", required=True, help="local Hugging Face folder of the target model")
+    gen.add_argument("--draft", help="local Hugging Face folder of the draft model (none: target-only)")
+    gen.add_argument("--drafter", choices=("model", "ngram"), default="model",
+                     help="draft with the --draft model, or by prompt lookup (ngram)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--gamma", type=int, default=5, help="draft tokens per round")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--device", default="cpu", help="cpu or cuda")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .engine import Engine  # after argument parsing, so --help stays fast
+
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                                stop=tuple(args.stop))
+        engine = Engine.from_pretrained(args.target, args.draft, drafter=args.drafter, gamma=args.gamma,
+                                        device=args.device, dtype=args.dtype)
+        if args.json:
+            (result,) = engine.generate([args.prompt], params)
+            print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
+            return 0
+        for piece in engine.stream(args.prompt, params):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"specengine: error: {e}", file=sys.stderr)
+        return 2
+    print(f"[specengine] {engine.last_run_stats.summary()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

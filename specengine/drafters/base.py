@@ -1,0 +1,38 @@
+"""What the engine asks of a drafter."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..sampling.batch import SamplingBatch
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor               # [B, G] int64, row b valid in [:num_drafts[b]]
+    num_drafts: torch.Tensor           # [B] int64 in [0, G]
+    logits: torch.Tensor | None        # [B, G, V] float32, what the drafts were sampled from; None: one-hot
+    draft_calls: int                   # draft-model forward passes spent on this proposal
+
+    def __post_init__(self):
+        B, G = self.tokens.shape
+        if self.num_drafts.shape != (B,):
+            raise ValueError(f"num_drafts must be [{B}], got {tuple(self.num_drafts.shape)}")
+        if self.logits is not None and tuple(self.logits.shape[:2]) != (B, G):
+            raise ValueError(f"draft logits must be [{B}, {G}, V], got {tuple(self.logits.shape)}")
+
+
+class Drafter(Protocol):
+    def start(self, prompts: list[list[int]], capacity: int) -> None:
+        """Begin a batch: one row per prompt, contexts of at most `capacity` tokens."""
+
+    def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
+        """Up to budgets[b] draft tokens to follow sequences[b] (max(budgets) >= 1)."""
+
+    def commit(self, sequence_lengths: list[int]) -> None:
+        """The sequences now have these lengths after verification: forget rejected drafts."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only these rows (in this order); the others finished."""

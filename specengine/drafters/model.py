@@ -1,0 +1,62 @@
+"""A small draft model M_q proposing gamma tokens autoregressively on its own static cache."""
+from __future__ import annotations
+
+import torch
+
+from ..engine.runner import feed
+from ..models.llama import LlamaForCausalLM
+from ..sampling.batch import SamplingBatch, check_logits
+from ..sampling.rng import STREAM_DRAFT, uniforms
+from ..sampling.warp import sample_from_probs, warp_probs
+from .base import Proposal
+
+
+class ModelDrafter:
+    def __init__(self, model: LlamaForCausalLM, vocab_size: int, num_real_tokens: int):
+        """vocab_size: the target's logit width; num_real_tokens: ids a draft may propose (the
+        tokenizer's), so a draft with a padded embedding never proposes a padding id."""
+        self.model = model
+        self.vocab_size = vocab_size
+        self.num_real_tokens = min(num_real_tokens, vocab_size, model.config.vocab_size)
+        self.cache = None
+
+    def start(self, prompts: list[list[int]], capacity: int):
+        self.cache = self.model.new_cache(len(prompts), capacity)
+        feed(self.model, self.cache, [p[:-1] for p in prompts])
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, V_draft] -> [B, V_target], -inf on ids the draft must not propose."""
+        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        out[:, : self.num_real_tokens] = logits[:, : self.num_real_tokens]
+        return out
+
+    def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
+        G = max(budgets)
+        cached = self.cache.lengths.tolist()
+        # Catch up on what the cache lacks: the last token, plus the last draft after full acceptance.
+        hidden = feed(self.model, self.cache, [seq[n:] for seq, n in zip(sequences, cached)])
+        device = self.model.device
+        positions = torch.tensor([len(s) for s in sequences], device=device)[:, None] + torch.arange(G, device=device)
+        u = uniforms(sampling.seeds, positions, STREAM_DRAFT)  # [B, G]
+        tokens, all_logits = [], []
+        for i in range(G):
+            logits = self._fit_vocab(self.model.logits(hidden))
+            check_logits("draft", logits)
+            probs = warp_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+            token = sample_from_probs(probs, u[:, i])
+            tokens.append(token)
+            all_logits.append(logits)
+            if i + 1 < G:
+                hidden = self.model(token[:, None], self.cache.lengths.clone(), self.cache)[:, 0]
+                self.cache.lengths.add_(1)
+        num = torch.tensor(budgets, dtype=torch.int64, device=device)
+        return Proposal(torch.stack(tokens, 1), num, torch.stack(all_logits, 1), draft_calls=G)
+
+    def commit(self, sequence_lengths: list[int]):
+        # Cached entries stay valid up to the first rejected draft: everything the sequence
+        # still holds except its last token (which the next proposal feeds).
+        limit = torch.tensor(sequence_lengths, dtype=torch.int64, device=self.cache.lengths.device) - 1
+        torch.minimum(self.cache.lengths, limit, out=self.cache.lengths)
+
+    def keep_rows(self, rows: list[int]):
+        self.cache.keep_rows(rows)

@@ -1,0 +1,53 @@
+"""Prompt-lookup (n-gram) drafting: drafts copied from earlier in the context (paper Section 3.6).
+
+q is one-hot on the copied token, so verification stays lossless. The search runs in C++
+(specengine._C.ngram_propose); ngram_propose_reference is its oracle.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import _C
+from ..sampling.batch import SamplingBatch
+from .base import Proposal
+
+
+def ngram_propose_reference(tokens: list[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
+    """Tokens that followed the most recent earlier occurrence of the longest re-occurring suffix."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + max_drafts]
+    return []
+
+
+class NgramDrafter:
+    def __init__(self, min_n: int = 1, max_n: int = 3):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def start(self, prompts, capacity):
+        pass
+
+    def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
+        drafts = [
+            _C.ngram_propose(np.asarray(seq, dtype=np.int64), self.min_n, self.max_n, budget) if budget else []
+            for seq, budget in zip(sequences, budgets)
+        ]
+        G = max(len(d) for d in drafts)
+        tokens = torch.zeros(len(drafts), G, dtype=torch.int64)
+        for b, d in enumerate(drafts):
+            tokens[b, : len(d)] = torch.as_tensor(d, dtype=torch.int64)
+        num = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+        device = sampling.seeds.device
+        return Proposal(tokens.to(device), num.to(device), None, draft_calls=0)
+
+    def commit(self, sequence_lengths):
+        pass
+
+    def keep_rows(self, rows):
+        pass

@@ -1,0 +1,281 @@
+"""The speculative decoding loop (Leviathan et al. Algorithm 1) over a batch of requests.
+
+Each round, for the rows still running:
+  1. the drafter proposes up to gamma tokens per row (fewer near a row's limits);
+  2. the target scores [last token, drafts] in one forward at each row's cache length;
+  3. verify accepts a prefix of the drafts and emits one more token per row;
+  4. each cache's length becomes what the sequence holds: that is the whole rollback.
+Without a drafter every round is plain target-only decoding through the same code.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from ..drafters.base import Drafter, Proposal
+from ..models.llama import LlamaForCausalLM
+from ..sampling.batch import SamplingBatch, check_logits
+from ..sampling.params import SamplingParams
+from ..sampling.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniforms
+from ..sampling.verify import verify_reference
+from .request import DecodeStats, Request, Result
+from .runner import feed
+
+log = logging.getLogger("specengine")
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, target: LlamaForCausalLM, tokenizer=None, drafter: Drafter | None = None, gamma: int = 5,
+                 max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None):
+        if drafter is not None and (not isinstance(gamma, int) or not 1 <= gamma <= 64):
+            raise ValueError(f"gamma must be an integer in [1, 64] when drafting, got {gamma!r}")
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.gamma = gamma if drafter is not None else 0
+        context = target.config.max_position_embeddings
+        if max_seq_len is not None and not 2 <= max_seq_len:
+            raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+        self.max_seq_len = min(context, max_seq_len) if max_seq_len else context
+        if eos_token_ids is None:
+            eos_token_ids = target.config.eos_token_ids
+            if not eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+                eos_token_ids = (tokenizer.eos_token_id,)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.verify = verify_reference
+        self.last_run_stats: DecodeStats | None = None
+
+    @classmethod
+    def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
+                        gamma: int = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                        max_seq_len: int | None = None) -> "Engine":
+        """Load a target (and a draft) from local Hugging Face folders.
+
+        drafter "model" uses the draft folder (none given: target-only decoding); "ngram"
+        drafts by prompt lookup and takes no draft folder.
+        """
+        from ..drafters.model import ModelDrafter
+        from ..drafters.ngram import NgramDrafter
+        from ..models.loader import load_model
+        from ..tokenizer import check_same_vocabulary, load_tokenizer
+
+        if drafter not in ("model", "ngram"):
+            raise ValueError(f"drafter must be 'model' or 'ngram', got {drafter!r}")
+        if drafter == "ngram" and draft is not None:
+            raise ValueError("the ngram drafter takes no draft model; drop `draft` or use drafter='model'")
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"device {device!r} requested but CUDA is not available")
+        target_model = load_model(target, device, dtype)
+        tokenizer = load_tokenizer(target)
+        chosen: Drafter | None = None
+        if drafter == "ngram":
+            chosen = NgramDrafter()
+        elif draft is not None:
+            draft_model = load_model(draft, device, dtype)
+            check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
+            chosen = ModelDrafter(draft_model, target_model.config.vocab_size, len(tokenizer))
+        return cls(target_model, tokenizer, chosen, gamma, max_seq_len)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Result]:
+        """Generate for each prompt (a string, or a list of token ids). One Result per prompt."""
+        requests = self._make_requests(prompts, params)
+        for _ in self._run(requests):
+            pass
+        return [self._result(r) for r in requests]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request piece by piece as tokens are accepted."""
+        if self.tokenizer is None:
+            raise ValueError("stream() needs a tokenizer")
+        (request,) = self._make_requests([prompt], params)
+        # Hold back what could still turn out to be the start of a stop string.
+        holdback = max((len(s) for s in request.params.stop), default=1) - 1
+        sent = 0
+        for _ in self._run([request]):
+            text = self._text(request)
+            if request.finish_reason is None:
+                end = len(text) - holdback
+                while end > sent and text[end - 1] == "\ufffd":  # an unfinished UTF-8 sequence
+                    end -= 1
+            else:
+                end = len(text)
+            if end > sent:
+                yield text[sent:end]
+                sent = end
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = list(prompt)
+            vocab = self.target.config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_seq_len}: "
+                             "no room to generate")
+        return ids
+
+    def _make_requests(self, prompts, params) -> list[Request]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        # Validate every prompt before starting: bad input leaves nothing half-done.
+        encoded = [self._encode(p) for p in prompts]
+        return [Request(ids, p, p.seed if p.seed is not None else secrets.randbits(63),
+                        DecodeStats(gamma=self.gamma, prompt_tokens=len(ids)))
+                for ids, p in zip(encoded, params)]
+
+    def _text(self, request: Request) -> str | None:
+        if request.stop_text is not None:
+            return request.stop_text
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(request.generated, skip_special_tokens=True)
+
+    def _result(self, r: Request) -> Result:
+        return Result(r.prompt_token_ids, list(r.generated), self._text(r), r.finish_reason, r.stats, r.message)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
+        """Decode all requests to completion, yielding the batch after every round."""
+        t0 = time.perf_counter()
+        device = self.target.device
+        capacity = min(self.max_seq_len, max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in requests))
+        prompts = [r.prompt_token_ids for r in requests]
+        cache = self.target.new_cache(len(requests), capacity)
+        # The cache holds everything but each sequence's last token, which the next round feeds.
+        feed(self.target, cache, [p[:-1] for p in prompts])
+        for r in requests:
+            r.stats.target_calls += len(r.prompt_token_ids) > 1
+        if self.drafter is not None:
+            self.drafter.start(prompts, capacity)
+        active = list(requests)
+        sampling = SamplingBatch.from_params([r.params for r in active], [r.seed for r in active], device)
+
+        while active:
+            sequences = [r.tokens for r in active]
+            budgets = [min(self.gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
+                       for r, s in zip(active, sequences)]
+            proposal = self._propose(sequences, budgets, sampling, device)
+            emitted, num_emitted = self._verify_round(cache, sequences, proposal, sampling)
+            cache.lengths.add_(num_emitted)
+
+            emitted_rows = emitted.tolist()
+            counts = num_emitted.tolist()
+            drafted = proposal.num_drafts.tolist()
+            for r, row, count, n_drafts in zip(active, emitted_rows, counts, drafted):
+                self._account(r, count - 1, n_drafts, proposal.draft_calls)
+                self._append(r, row[:count], capacity)
+                if r.finish_reason is not None:
+                    r.stats.wall_time_s = time.perf_counter() - t0
+            if self.drafter is not None:
+                self.drafter.commit([len(r.tokens) for r in active])
+            yield requests
+
+            keep = [i for i, r in enumerate(active) if r.finish_reason is None]
+            if len(keep) < len(active):
+                active = [active[i] for i in keep]
+                if active:
+                    cache.keep_rows(keep)
+                    sampling = sampling.select(keep)
+                    if self.drafter is not None:
+                        self.drafter.keep_rows(keep)
+        self.last_run_stats = DecodeStats.combine([r.stats for r in requests], time.perf_counter() - t0)
+
+    def _propose(self, sequences, budgets, sampling, device) -> Proposal:
+        if self.drafter is None or max(budgets) == 0:
+            empty = torch.zeros(len(sequences), 0, dtype=torch.int64, device=device)
+            return Proposal(empty, torch.zeros(len(sequences), dtype=torch.int64, device=device), None, 0)
+        return self.drafter.propose(sequences, budgets, sampling)
+
+    def _verify_round(self, cache, sequences, proposal: Proposal, sampling: SamplingBatch):
+        device = self.target.device
+        last = torch.tensor([s[-1] for s in sequences], dtype=torch.int64, device=device)
+        inputs = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, G+1]
+        G1 = inputs.shape[1]
+        lengths = [len(s) for s in sequences]
+        hidden = self.target(inputs, cache.lengths.clone(), cache, kv_len=max(lengths) - 1 + G1)
+        logits = self.target.logits(hidden)  # [B, G+1, V]
+        check_logits("target", logits)
+        # Token i of this round lands at absolute position len(sequence) + i: its uniforms' key.
+        positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(G1, device=device)
+        return self.verify(
+            logits, proposal.logits, proposal.tokens, proposal.num_drafts,
+            sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+            uniforms(sampling.seeds, positions, STREAM_ACCEPT), uniforms(sampling.seeds, positions, STREAM_SAMPLE),
+        )
+
+    @staticmethod
+    def _account(r: Request, accepted: int, drafted: int, draft_calls: int):
+        s = r.stats
+        s.rounds += 1
+        s.target_calls += 1
+        s.draft_calls += draft_calls
+        s.drafted += drafted
+        s.accepted += accepted
+        s.rejections += accepted < drafted
+        s.accepted_histogram[accepted] += 1
+
+    def _append(self, r: Request, new_tokens: list[int], capacity: int):
+        """Append a round's tokens, ending the request exactly at EOS, max_new_tokens or a stop string."""
+        before = len(r.generated)
+        for token in new_tokens:
+            r.generated.append(token)
+            if token in self.eos_token_ids and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+                break
+            if len(r.generated) == r.params.max_new_tokens:
+                r.finish_reason = "length"
+                break
+        if r.params.stop and self.tokenizer is not None:
+            self._check_stop_strings(r, before)
+        if r.finish_reason is None and len(r.prompt_token_ids) + len(r.generated) >= capacity:
+            r.finish_reason = "capacity"
+            r.message = (f"stopped after {len(r.generated)} tokens: the context of {capacity} tokens is full "
+                         f"(prompt {len(r.prompt_token_ids)} tokens); the partial output is kept")
+            log.warning(r.message)
+        r.stats.generated_tokens = len(r.generated)
+
+    def _check_stop_strings(self, r: Request, before: int):
+        decode = self.tokenizer.decode
+        text = decode(r.generated, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in r.params.stop) if i >= 0]
+        if not hits:
+            return
+        cut = min(hits)
+        # Keep tokens up to the one that completed the stop string; the text ends before it.
+        for n in range(before + 1, len(r.generated) + 1):
+            if any(s in decode(r.generated[:n], skip_special_tokens=True) for s in r.params.stop):
+                del r.generated[n:]
+                break
+        r.stop_text = text[:cut]
+        r.finish_reason = "stop"

@@ -1,0 +1,99 @@
+"""Requests in flight, their results and their statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sampling.params import SamplingParams
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one request, or summed over a run (then wall time is the run's)."""
+
+    gamma: int
+    requests: int = 1
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0          # target verification calls (each emits 1..gamma+1 tokens)
+    target_calls: int = 0    # rounds plus the prefill call
+    draft_calls: int = 0     # draft-model forward passes
+    drafted: int = 0         # draft tokens proposed
+    accepted: int = 0        # draft tokens accepted
+    rejections: int = 0      # rounds that ended by rejecting a draft
+    accepted_histogram: list[int] = field(default_factory=list)  # [gamma+1]: rounds by drafts accepted
+    wall_time_s: float = 0.0
+
+    def __post_init__(self):
+        if not self.accepted_histogram:
+            self.accepted_histogram = [0] * (self.gamma + 1)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Measured alpha: accepted / (accepted + rejected) draft tests.
+
+        Drafts after a rejection are never tested, so they count for neither (the
+        maximum-likelihood estimate of a per-token acceptance probability).
+        """
+        tests = self.accepted + self.rejections
+        return self.accepted / tests if tests else None
+
+    @property
+    def tokens_per_round(self) -> float | None:
+        """Mean tokens emitted per target verification call."""
+        return self.generated_tokens / self.rounds if self.rounds else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.generated_tokens / self.wall_time_s if self.wall_time_s > 0 else None
+
+    @classmethod
+    def combine(cls, parts: list["DecodeStats"], wall_time_s: float) -> "DecodeStats":
+        total = cls(gamma=max(p.gamma for p in parts), requests=0)
+        for p in parts:
+            for name in ("requests", "prompt_tokens", "generated_tokens", "rounds", "target_calls",
+                         "draft_calls", "drafted", "accepted", "rejections"):
+                setattr(total, name, getattr(total, name) + getattr(p, name))
+            for i, count in enumerate(p.accepted_histogram):
+                total.accepted_histogram[i] += count
+        total.wall_time_s = wall_time_s
+        return total
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items()}
+        out.update(acceptance_rate=self.acceptance_rate, tokens_per_round=self.tokens_per_round,
+                   tokens_per_s=self.tokens_per_s)
+        return out
+
+    def summary(self) -> str:
+        def fmt(x, spec):
+            return "n/a" if x is None else format(x, spec)
+        return (f"{self.generated_tokens} tokens in {self.wall_time_s:.2f}s ({fmt(self.tokens_per_s, '.1f')} tok/s), "
+                f"{self.rounds} rounds, {fmt(self.tokens_per_round, '.2f')} tokens/target call, "
+                f"alpha {fmt(self.acceptance_rate, '.3f')}, accepted-length histogram {self.accepted_histogram}, "
+                f"{self.target_calls} target calls, {self.draft_calls} draft calls")
+
+
+@dataclass
+class Result:
+    prompt_token_ids: list[int]
+    token_ids: list[int]         # generated tokens (an EOS that ended the request included)
+    text: str | None             # generated text (None without a tokenizer)
+    finish_reason: str           # "stop" (EOS or stop string), "length" (max_new_tokens), "capacity" (context full)
+    stats: DecodeStats
+    message: str = ""            # why a request ended early, in words
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stats: DecodeStats
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    message: str = ""
+    stop_text: str | None = None  # the text cut before a stop string, when one ended the request
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.generated

@@ -1,0 +1,30 @@
+"""Feeding ragged token chunks through a model and its static cache."""
+from __future__ import annotations
+
+import torch
+
+from ..layers.kv_cache import StaticKVCache
+from ..models.llama import LlamaForCausalLM
+
+
+def feed(model: LlamaForCausalLM, cache: StaticKVCache, chunks: list[list[int]]) -> torch.Tensor | None:
+    """Append chunks[b] to row b of the cache (chunks may differ in length, even be empty).
+
+    Rows are right-padded: the padding writes K/V past the row's length, where it stays
+    masked until real tokens overwrite it. Advances cache.lengths by the chunk lengths.
+    Returns the hidden state of each row's last chunk token [B, D], or None when all are empty.
+    """
+    lengths = [len(c) for c in chunks]
+    T = max(lengths)
+    if T == 0:
+        return None
+    device = model.device
+    tokens = torch.zeros(len(chunks), T, dtype=torch.int64)
+    for b, chunk in enumerate(chunks):
+        tokens[b, : len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+    start = cache.lengths.clone()
+    hidden = model(tokens.to(device), start, cache, kv_len=int(start.max()) + T)
+    chunk_lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
+    cache.lengths.add_(chunk_lengths)
+    rows = torch.arange(len(chunks), device=device)
+    return hidden[rows, (chunk_lengths - 1).clamp(min=0)]

@@ -1,0 +1,52 @@
+"""Static, preallocated KV cache with one length per row.
+
+Rollback after a rejection is only "set the row's length": entries past it are stale,
+masked by attention (a query never sees keys beyond its own position) and overwritten
+by the next write at those positions. Nothing is copied, there is no tree.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        if batch_size < 1 or capacity < 1:
+            raise ValueError(f"cache needs batch_size >= 1 and capacity >= 1, got {batch_size}, {capacity}")
+        self.capacity = capacity
+        # One slot past the capacity takes the writes of padding tokens that fall beyond it;
+        # no query ever attends to it (queries sit at positions < capacity).
+        shape = (num_layers, batch_size, capacity + 1, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.batch_size = batch_size  # rows in use (<= allocated rows, see keep_rows)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] int64, the valid prefix of each row in use (a view: update it in place)."""
+        return self._lengths[: self.batch_size]
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """positions [B, T] int64; k, v [B, T, Hkv, D]. Positions >= capacity go to the spill slot."""
+        slots = positions.clamp(max=self.capacity)
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.k[layer][rows, slots] = k
+        self.v[layer][rows, slots] = v
+
+    def read(self, layer: int, kv_len: int):
+        """k, v [B, kv_len, Hkv, D] views of the rows in use."""
+        return self.k[layer, : self.batch_size, :kv_len], self.v[layer, : self.batch_size, :kv_len]
+
+    def keep_rows(self, rows: list[int]):
+        """Move the listed rows (in order) to the front and forget the others (finished requests)."""
+        if rows == list(range(len(rows))):
+            self.batch_size = len(rows)
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)
+        n = len(rows)
+        self.k[:, :n] = self.k[:, index]
+        self.v[:, :n] = self.v[:, index]
+        self._lengths[:n] = self._lengths[index]
+        self.batch_size = n

@@ -1,0 +1,5 @@
+from .config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from .llama import LlamaForCausalLM
+from .loader import CheckpointError, load_model
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "CheckpointError", "ConfigError", "LlamaForCausalLM", "ModelConfig", "load_model"]

@@ -1,0 +1,108 @@
+"""Load local Hugging Face checkpoint folders through safetensors only.
+
+Nothing from a checkpoint is executed or unpickled: weights come from *.safetensors
+files (never torch.load), the config is JSON, and tokenizers load without remote code.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Keys some checkpoints carry that hold nothing we need (recomputed buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing, incomplete or does not match its config."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """None: float32 on CPU (fast, exact), the checkpoint's own dtype on GPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; choose one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype is None:
+        return DTYPES.get(cfg.dtype, torch.float32) if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: model.safetensors or the shards of its index."""
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return files
+    pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+    hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}{hint}")
+
+
+def load_model(folder: str | Path, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    cfg = ModelConfig.from_folder(folder)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    files = weight_files(folder)
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(torch_dtype)
+    if cfg.tie_word_embeddings:  # to_empty allocates each module's parameters apart: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                target = params[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise CheckpointError(
+                        f"{folder}: weight {name} has shape {tuple(tensor.shape)} but the config implies "
+                        f"{tuple(target.shape)}"
+                    )
+                with torch.no_grad():
+                    target.copy_(tensor)
+                loaded.add(name)
+    if unexpected and not (cfg.tie_word_embeddings and unexpected == ["lm_head.weight"]):
+        raise CheckpointError(
+            f"{folder}: weights not used by {cfg.architecture}: {', '.join(sorted(unexpected)[:5])}"
+            + (" ..." if len(unexpected) > 5 else "")
+        )
+    if cfg.tie_word_embeddings:
+        loaded.add("lm_head.weight")  # shares embed_tokens.weight
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(
+            f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+        )
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,42 @@
+"""Sampling parameters of a batch of rows as tensors, and the checks every verify input gets."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor        # [B] int64
+    top_p: torch.Tensor        # [B] float32
+    min_p: torch.Tensor        # [B] float32
+    seeds: torch.Tensor        # [B] int64
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], seeds: list[int], device) -> "SamplingBatch":
+        def col(name, dtype):
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+        return cls(col("temperature", torch.float32), col("top_k", torch.int64), col("top_p", torch.float32),
+                   col("min_p", torch.float32), torch.tensor(seeds, dtype=torch.int64, device=device))
+
+    def select(self, rows: list[int]) -> "SamplingBatch":
+        index = torch.tensor(rows, dtype=torch.int64, device=self.seeds.device)
+        return SamplingBatch(*(t[index] for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seeds)))
+
+
+class InvalidLogitsError(ValueError):
+    """A model produced NaN or +inf logits, or masked every token of a row."""
+
+
+def check_logits(name: str, logits: torch.Tensor):
+    """Logits [..., V]: no NaN, no +inf, at least one finite entry per row."""
+    if torch.isnan(logits).any():
+        raise InvalidLogitsError(f"{name} logits contain NaN (a numerically broken model or checkpoint?)")
+    if torch.isposinf(logits).any():
+        raise InvalidLogitsError(f"{name} logits contain +inf")
+    if logits.numel() and not torch.isfinite(logits).any(-1).all():
+        raise InvalidLogitsError(f"{name} logits are -inf for every token of some row")

@@ -1,0 +1,61 @@
+"""Logit warps and inverse-CDF sampling: the definitions every implementation follows.
+
+Warps apply in this order, to the target's and the draft's logits alike:
+  temperature T   logits / T; T == 0 is greedy: the one-hot of the first argmax.
+  top_k  k        keep tokens whose logit is >= the k-th largest (ties kept); 0: off.
+  top_p  P        keep token x iff the mass of tokens strictly more probable than x is < P
+                  (the smallest nucleus reaching P, ties kept; never empty); 1: off.
+  min_p  m        keep x iff prob(x) >= m * max prob; 0: off.
+Each filter renormalises what it keeps. All definitions are thresholds, so a kernel can
+apply them without sorting and agree with this code exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities [N, V] float32 after all warps.
+
+    logits [N, V] float; temperature, top_p, min_p [N] float32; top_k [N] int64.
+    """
+    logits = logits.to(torch.float32)
+    N, V = logits.shape
+    greedy = temperature == 0
+    # Shift by the row max first: huge finite logits divided by a small temperature stay finite.
+    shifted = logits - logits.amax(-1, keepdim=True)
+    scaled = shifted / torch.where(greedy, 1.0, temperature)[:, None]
+
+    sorted_logits = scaled.sort(dim=-1, descending=True).values
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V)
+    kth = sorted_logits.gather(-1, (k - 1)[:, None])
+    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+
+    # Mass strictly above each sorted entry, with equal probabilities sharing their group's value.
+    sorted_probs = probs.sort(dim=-1, descending=True).values
+    mass_before = torch.cat([sorted_probs.new_zeros(N, 1), sorted_probs.cumsum(-1)[:, :-1]], dim=-1)
+    kept = (mass_before < top_p[:, None]).sum(-1, keepdim=True).clamp(min=1)
+    smallest_kept = sorted_probs.gather(-1, kept - 1)
+    use_top_p = (top_p < 1)[:, None]
+    probs = torch.where(use_top_p & (probs < smallest_kept), 0.0, probs)
+
+    probs = torch.where(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0, probs)
+    probs = probs / probs.sum(-1, keepdim=True)
+
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample [N] int64 from unnormalised probs [N, V] (>= 0, positive sum) with u [N] in [0, 1).
+
+    The token is the first index whose cumulative mass exceeds u * total; zero-mass tokens are
+    never chosen (rounding at the top end falls back to the last token with mass).
+    """
+    cdf = probs.cumsum(-1)
+    index = (cdf <= u[:, None] * cdf[:, -1:]).sum(-1)
+    V = probs.shape[-1]
+    last_positive = V - 1 - (probs > 0).flip(-1).to(torch.int64).argmax(-1)
+    return torch.minimum(index, last_positive)

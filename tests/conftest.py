@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from specengine.tiny import make_config, save_random_checkpoint, train_tokenizer
+
+# Architectures and the features each exercises; saved with transformers' own save_pretrained.
+ARCH_CASES = {
+    "llama3-rope-gqa": ("LlamaForCausalLM", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama-tied-bias": ("LlamaForCausalLM", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                                                  num_kv_heads=4)),
+    "llama-linear-rope": ("LlamaForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                                    num_kv_heads=1)),
+    "mistral-sliding": ("MistralForCausalLM", dict(sliding_window=5)),
+    "qwen2-qkv-bias": ("Qwen2ForCausalLM", {}),
+    "qwen3-qk-norm-tied": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer(vocab_size=300)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(case) -> folder of a tiny random checkpoint (cached per session)."""
+    cache = {}
+
+    def make(case: str):
+        if case not in cache:
+            arch, overrides = ARCH_CASES[case]
+            overrides = dict(overrides)
+            folder = tmp_path_factory.mktemp(case)
+            config = make_config(arch, vocab_size=97, **overrides)
+            save_random_checkpoint(folder, config, init_std=0.2, seed=len(cache))
+            cache[case] = folder
+        return cache[case]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def text_pair(tmp_path_factory, tokenizer):
+    """A (target, draft) pair of tiny Llama folders sharing a real byte-level BPE tokenizer."""
+    folder = tmp_path_factory.mktemp("pair")
+    eos = tokenizer.eos_token_id
+    target_cfg = make_config(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, eos_token_id=eos)
+    draft_cfg = make_config(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                            eos_token_id=eos)
+    save_random_checkpoint(folder / "target", target_cfg, tokenizer, seed=0, init_std=0.3)
+    save_random_checkpoint(folder / "draft", draft_cfg, tokenizer, seed=1, init_std=0.3)
+    return folder / "target", folder / "draft"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

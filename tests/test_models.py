@@ -1,0 +1,90 @@
+"""Our Llama-family model against transformers' AutoModelForCausalLM on tiny random checkpoints."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specengine.engine.runner import feed
+from specengine.models import load_model
+
+from conftest import ARCH_CASES
+
+ATOL = 2e-5
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 97, (n,), generator=g).tolist() for n in (14, 6, 10)]
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_prefill_matches_transformers_on_ragged_batch(case, checkpoint, sequences):
+    folder = checkpoint(case)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(folder)
+    B, T = len(sequences), max(map(len, sequences))
+    tokens = torch.zeros(B, T, dtype=torch.int64)
+    for b, s in enumerate(sequences):
+        tokens[b, : len(s)] = torch.tensor(s)
+    cache = ours.new_cache(B, 32)
+    with torch.no_grad():
+        logits = ours.logits(ours(tokens, torch.zeros(B, dtype=torch.int64), cache))
+    for b, s in enumerate(sequences):
+        torch.testing.assert_close(logits[b, : len(s)], hf_logits(hf, s), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_step_by_step_decoding_with_rollback_matches_transformers(case, checkpoint, sequences):
+    """Rows of different lengths decode one token, then a 3-token chunk, then roll back and
+    re-decode other tokens over the stale cache entries: every logit equals a fresh HF forward."""
+    folder = checkpoint(case)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(folder)
+    prefixes = [s[:-4] for s in sequences]
+    cache = ours.new_cache(len(sequences), 32)
+    with torch.no_grad():
+        feed(ours, cache, prefixes)
+        for step in range(2):  # single-token steps at ragged positions
+            tokens = torch.tensor([[s[len(p) + step]] for s, p in zip(sequences, prefixes)])
+            logits = ours.logits(ours(tokens, cache.lengths.clone(), cache))
+            cache.lengths.add_(1)
+            for b, (s, p) in enumerate(zip(sequences, prefixes)):
+                n = len(p) + step + 1
+                torch.testing.assert_close(logits[b, 0], hf_logits(hf, s[:n])[-1], atol=ATOL, rtol=0)
+        # A verify-like chunk of 2 tokens, all rejected: the cache keeps stale entries past each
+        # row's length (inside the longest row's attention span); then feed other tokens.
+        chunk = torch.tensor([s[len(p) + 2: len(p) + 4] for s, p in zip(sequences, prefixes)])
+        ours(chunk, cache.lengths.clone(), cache)
+        replacement = (chunk[:, :1] + 7) % 97
+        logits = ours.logits(ours(replacement, cache.lengths.clone(), cache))
+        for b, (s, p) in enumerate(zip(sequences, prefixes)):
+            seq = s[: len(p) + 2] + [int(replacement[b, 0])]
+            torch.testing.assert_close(logits[b, 0], hf_logits(hf, seq)[-1], atol=ATOL, rtol=0)
+
+
+def test_bfloat16_load_runs_close_to_float32(checkpoint, sequences):
+    folder = checkpoint("qwen2-qkv-bias")
+    fp32, bf16 = load_model(folder), load_model(folder, dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16
+    tokens = torch.tensor([sequences[0]])
+    with torch.no_grad():
+        a = fp32.logits(fp32(tokens, torch.zeros(1, dtype=torch.int64), fp32.new_cache(1, 32)))
+        b = bf16.logits(bf16(tokens, torch.zeros(1, dtype=torch.int64), bf16.new_cache(1, 32)))
+    assert (a - b).abs().max() < 0.1 * a.abs().max()
+    # Rotary frequencies are not rounded to the weights' dtype.
+    assert bf16._inv_freq.dtype == torch.float32
+
+
+def test_sharded_checkpoint_loads_identically(checkpoint, tmp_path, sequences):
+    folder = checkpoint("llama3-rope-gqa")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    a, b = load_model(folder), load_model(tmp_path)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
