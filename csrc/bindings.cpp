@@ -7,6 +7,7 @@
 
 #include "ngram.h"
 #include "philox.h"
+#include "verify.h"
 
 namespace py = pybind11;
 
@@ -50,6 +51,31 @@ py::array_t<float> philox_uniforms_py(
   return out;
 }
 
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// Raw data pointers of CPU tensors, validated by specengine/ops/verify.py (never call directly).
+void verify_py(uintptr_t target_logits, uintptr_t draft_logits, int dtype, int64_t B, int64_t G, int64_t V,
+               int64_t target_stride_b, int64_t target_stride_g, int64_t draft_stride_b,
+               int64_t draft_stride_g, uintptr_t draft_tokens, uintptr_t num_drafts, uintptr_t temperature,
+               uintptr_t top_k, uintptr_t top_p, uintptr_t min_p, uintptr_t seeds, uintptr_t positions,
+               uintptr_t u_accept, uintptr_t u_sample, uintptr_t emitted, uintptr_t num_emitted,
+               uintptr_t target_lengths, uintptr_t draft_lengths) {
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype code must be 0, 1 or 2");
+  specengine::VerifyArgs args{
+      ptr<const void>(target_logits), ptr<const void>(draft_logits),
+      static_cast<specengine::LogitDtype>(dtype), B, G, V, target_stride_b, target_stride_g,
+      draft_stride_b, draft_stride_g, ptr<const int64_t>(draft_tokens), ptr<const int64_t>(num_drafts),
+      ptr<const float>(temperature), ptr<const int64_t>(top_k), ptr<const float>(top_p),
+      ptr<const float>(min_p), ptr<const int64_t>(seeds), ptr<const int64_t>(positions),
+      ptr<const float>(u_accept), ptr<const float>(u_sample), ptr<int64_t>(emitted),
+      ptr<int64_t>(num_emitted), ptr<int64_t>(target_lengths), ptr<int64_t>(draft_lengths)};
+  py::gil_scoped_release release;
+  specengine::verify_cpu(args);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -58,6 +84,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("max_drafts"),
         "Tokens that followed the most recent earlier occurrence of the longest re-occurring "
         "suffix n-gram (min_n <= n <= max_n), at most max_drafts of them.");
+  m.def("verify", &verify_py, "Fused verify step on CPU tensors (use specengine.ops.verify).");
   m.def("philox_uniforms", &philox_uniforms_py, py::arg("seeds"), py::arg("positions"),
         py::arg("stream"),
         "Uniforms [B, K] in [0, 1) keyed by (seeds[b], positions[b, k], stream), Philox4x32-10.");

@@ -49,8 +49,9 @@ def test_target_only_greedy_equals_transformers_generate(tmp_path):
 
 @pytest.mark.parametrize("kind", ["self", "unrelated", "ngram"])
 @pytest.mark.parametrize("gamma", range(1, 9))
-def test_speculative_greedy_equals_target_only(kind, gamma, target, baseline):
-    engine = Engine(target, drafter=drafter_for(kind, target), gamma=gamma)
+@pytest.mark.parametrize("impl", ["reference", "cpp"])
+def test_speculative_greedy_equals_target_only(kind, gamma, impl, target, baseline):
+    engine = Engine(target, drafter=drafter_for(kind, target), gamma=gamma, verify_impl=impl)
     results = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in results] == baseline
     stats = engine.last_run_stats

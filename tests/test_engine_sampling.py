@@ -61,10 +61,11 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
-def test_speculative_sampling_matches_exact_target_distribution(case, drafter, target, draft):
+@pytest.mark.parametrize("impl", ["reference", "cpp"])
+def test_speculative_sampling_matches_exact_target_distribution(case, drafter, impl, target, draft):
     params = CASES[case]
     chosen = {"model": ModelDrafter(draft, V, V), "ngram": NgramDrafter(1, 2), "none": None}[drafter]
-    engine = Engine(target, drafter=chosen, gamma=3)
+    engine = Engine(target, drafter=chosen, gamma=3, verify_impl=impl)
     counts = sample_counts(engine, params, 12_000)
     expected = exact_distribution(target, params)
     assert chi_square_pvalue(counts, expected) > 1e-3
@@ -73,17 +74,20 @@ def test_speculative_sampling_matches_exact_target_distribution(case, drafter, t
 
 
 @pytest.mark.slow
-def test_distribution_test_fails_for_broken_residual(target, draft):
+def test_distribution_test_fails_for_broken_residual(target, draft, monkeypatch):
     """Resampling from p instead of norm(max(0, p - q)) is not lossless, and the test sees it."""
+    import specengine.ops.verify as ops
+
     params = CASES["T=1"]
-    engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
-    engine.verify = lambda *args: naive_verify(VerifyCase(*args), bug="residual_p")
+    engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3, verify_impl="reference")
+    monkeypatch.setattr(ops, "verify_reference", lambda *args: naive_verify(VerifyCase(*args), bug="residual_p"))
     counts = sample_counts(engine, params, 6_000)
     assert chi_square_pvalue(counts, exact_distribution(target, params)) < 1e-6
 
 
-def test_seeded_request_is_reproducible_and_batch_invariant(target, draft):
-    engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
+@pytest.mark.parametrize("impl", ["reference", "cpp"])
+def test_seeded_request_is_reproducible_and_batch_invariant(target, draft, impl):
+    engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3, verify_impl=impl)
     mine = SamplingParams(max_new_tokens=20, temperature=1.0, seed=1234)
     (alone,) = engine.generate([PROMPT], mine)
     (again,) = engine.generate([PROMPT], mine)

@@ -31,8 +31,10 @@ class Drafter(Protocol):
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         """Up to budgets[b] draft tokens to follow sequences[b] (max(budgets) >= 1)."""
 
-    def commit(self, sequence_lengths: list[int]) -> None:
-        """The sequences now have these lengths after verification: forget rejected drafts."""
+    @property
+    def cache_lengths(self) -> torch.Tensor | None:
+        """[B] int64 lengths of the drafter's own KV cache (None without one). Verification sets
+        them to min(themselves, the target's new length): drafts past a rejection are forgotten."""
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only these rows (in this order); the others finished."""

@@ -52,11 +52,11 @@ class ModelDrafter:
         num = torch.tensor(budgets, dtype=torch.int64, device=device)
         return Proposal(torch.stack(tokens, 1), num, torch.stack(all_logits, 1), draft_calls=G)
 
-    def commit(self, sequence_lengths: list[int]):
-        # Cached entries stay valid up to the first rejected draft: everything the sequence
-        # still holds except its last token (which the next proposal feeds).
-        limit = torch.tensor(sequence_lengths, dtype=torch.int64, device=self.cache.lengths.device) - 1
-        torch.minimum(self.cache.lengths, limit, out=self.cache.lengths)
+    @property
+    def cache_lengths(self) -> torch.Tensor:
+        # Cached entries stay valid up to the first rejected draft, which verification enforces
+        # by clipping these lengths to the target's (the sequence minus its unfed last token).
+        return self.cache.lengths
 
     def keep_rows(self, rows: list[int]):
         self.cache.keep_rows(rows)

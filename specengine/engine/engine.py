@@ -20,9 +20,8 @@ import torch
 from ..drafters.base import Drafter, Proposal
 from ..models.llama import LlamaForCausalLM
 from ..sampling.batch import SamplingBatch, check_logits
+from ..ops.verify import IMPLEMENTATIONS, verify
 from ..sampling.params import SamplingParams
-from ..sampling.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniforms
-from ..sampling.verify import verify_reference
 from .request import DecodeStats, Request, Result
 from .runner import feed
 
@@ -33,7 +32,11 @@ Prompt = str | Sequence[int]
 
 class Engine:
     def __init__(self, target: LlamaForCausalLM, tokenizer=None, drafter: Drafter | None = None, gamma: int = 5,
-                 max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None):
+                 max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
+                 verify_impl: str = "auto"):
+        """verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch)."""
+        if verify_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {verify_impl!r}")
         if drafter is not None and (not isinstance(gamma, int) or not 1 <= gamma <= 64):
             raise ValueError(f"gamma must be an integer in [1, 64] when drafting, got {gamma!r}")
         self.target = target
@@ -49,13 +52,13 @@ class Engine:
             if not eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
                 eos_token_ids = (tokenizer.eos_token_id,)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.verify = verify_reference
+        self.verify_impl = verify_impl
         self.last_run_stats: DecodeStats | None = None
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
                         gamma: int = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                        max_seq_len: int | None = None) -> "Engine":
+                        max_seq_len: int | None = None, verify_impl: str = "auto") -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders.
 
         drafter "model" uses the draft folder (none given: target-only decoding); "ngram"
@@ -81,7 +84,7 @@ class Engine:
             draft_model = load_model(draft, device, dtype)
             check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
             chosen = ModelDrafter(draft_model, target_model.config.vocab_size, len(tokenizer))
-        return cls(target_model, tokenizer, chosen, gamma, max_seq_len)
+        return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -186,8 +189,8 @@ class Engine:
             budgets = [min(self.gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
                        for r, s in zip(active, sequences)]
             proposal = self._propose(sequences, budgets, sampling, device)
+            # Verification also advances both caches' lengths: that is the whole rollback.
             emitted, num_emitted = self._verify_round(cache, sequences, proposal, sampling)
-            cache.lengths.add_(num_emitted)
 
             emitted_rows = emitted.tolist()
             counts = num_emitted.tolist()
@@ -197,8 +200,6 @@ class Engine:
                 self._append(r, row[:count], capacity)
                 if r.finish_reason is not None:
                     r.stats.wall_time_s = time.perf_counter() - t0
-            if self.drafter is not None:
-                self.drafter.commit([len(r.tokens) for r in active])
             yield requests
 
             keep = [i for i, r in enumerate(active) if r.finish_reason is None]
@@ -227,11 +228,11 @@ class Engine:
         logits = self.target.logits(hidden)  # [B, G+1, V]
         check_logits("target", logits)
         # Token i of this round lands at absolute position len(sequence) + i: its uniforms' key.
-        positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(G1, device=device)
-        return self.verify(
-            logits, proposal.logits, proposal.tokens, proposal.num_drafts,
-            sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-            uniforms(sampling.seeds, positions, STREAM_ACCEPT), uniforms(sampling.seeds, positions, STREAM_SAMPLE),
+        draft_lengths = self.drafter.cache_lengths if self.drafter is not None else None
+        return verify(
+            logits, proposal.logits, proposal.tokens, proposal.num_drafts, sampling.temperature, sampling.top_k,
+            sampling.top_p, sampling.min_p, sampling.seeds, torch.tensor(lengths, device=device),
+            target_lengths=cache.lengths, draft_lengths=draft_lengths, impl=self.verify_impl,
         )
 
     @staticmethod

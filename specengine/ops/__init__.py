@@ -1,0 +1,1 @@
+"""Operations with several implementations behind one validating host wrapper."""

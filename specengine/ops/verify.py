@@ -1,0 +1,115 @@
+"""The verify step's host wrapper: validates, allocates and dispatches to one implementation.
+
+  "cpp"        specengine._C.verify, fused C++ on CPU tensors (OpenMP over rows)
+  "triton"     specengine.kernels.verify, fused Triton on CUDA tensors
+  "reference"  specengine.sampling.verify.verify_reference, plain torch (the oracle)
+  "auto"       cpp on CPU, triton on CUDA
+
+All three share one contract (see verify_reference): given the same uniforms they emit the
+same tokens, except where a uniform lies within float rounding of a decision boundary.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sampling.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniforms
+from ..sampling.verify import verify_reference
+
+IMPLEMENTATIONS = ("auto", "cpp", "triton", "reference")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _check(cond: bool, message: str):
+    if not cond:
+        raise ValueError(f"verify: {message}")
+
+
+def verify(
+    target_logits: torch.Tensor,        # [B, G+1, V] float32 / bfloat16 / float16, last dim contiguous
+    draft_logits: torch.Tensor | None,  # [B, G, V] same dtype, or None for one-hot drafts
+    draft_tokens: torch.Tensor,         # [B, G] int64
+    num_drafts: torch.Tensor,           # [B] int64 in [0, G]
+    temperature: torch.Tensor,          # [B] float32, 0 = greedy
+    top_k: torch.Tensor,                # [B] int64, 0 = off
+    top_p: torch.Tensor,                # [B] float32, 1 = off
+    min_p: torch.Tensor,                # [B] float32, 0 = off
+    seeds: torch.Tensor,                # [B] int64, Philox keys
+    positions: torch.Tensor,            # [B] int64, absolute position of each row's first token this round
+    *,
+    u_accept: torch.Tensor | None = None,        # [B, G+1] float32: explicit uniforms instead of Philox
+    u_sample: torch.Tensor | None = None,        # [B, G+1] float32
+    target_lengths: torch.Tensor | None = None,  # [B] int64, advanced in place by the emitted count
+    draft_lengths: torch.Tensor | None = None,   # [B] int64, set in place to min(itself, new target length)
+    impl: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Emitted tokens [B, G+1] int64 (-1 after each row's end) and their count [B] int64."""
+    _check(impl in IMPLEMENTATIONS, f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    _check(target_logits.dim() == 3, f"target_logits must be [B, G+1, V], got {tuple(target_logits.shape)}")
+    B, G1, V = target_logits.shape
+    G = G1 - 1
+    device = target_logits.device
+    _check(B >= 1 and G1 >= 1 and V >= 1, f"empty target_logits {tuple(target_logits.shape)}")
+    _check(target_logits.dtype in _DTYPE_CODES, f"logits dtype {target_logits.dtype} is not supported")
+    _check(target_logits.stride(-1) == 1, "target_logits must be contiguous in the vocabulary dimension")
+    if draft_logits is not None:
+        _check(tuple(draft_logits.shape) == (B, G, V), f"draft_logits must be [{B}, {G}, {V}], got "
+                                                       f"{tuple(draft_logits.shape)}")
+        _check(draft_logits.dtype == target_logits.dtype, "draft and target logits must share a dtype")
+        _check(draft_logits.stride(-1) == 1, "draft_logits must be contiguous in the vocabulary dimension")
+    for name, t, shape, dtype in [("draft_tokens", draft_tokens, (B, G), torch.int64),
+                                  ("num_drafts", num_drafts, (B,), torch.int64),
+                                  ("temperature", temperature, (B,), torch.float32),
+                                  ("top_k", top_k, (B,), torch.int64), ("top_p", top_p, (B,), torch.float32),
+                                  ("min_p", min_p, (B,), torch.float32), ("seeds", seeds, (B,), torch.int64),
+                                  ("positions", positions, (B,), torch.int64),
+                                  ("u_accept", u_accept, (B, G1), torch.float32),
+                                  ("u_sample", u_sample, (B, G1), torch.float32),
+                                  ("target_lengths", target_lengths, (B,), torch.int64),
+                                  ("draft_lengths", draft_lengths, (B,), torch.int64)]:
+        if t is None:
+            continue
+        _check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {list(t.shape)}")
+        _check(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
+        _check(t.device == device, f"{name} is on {t.device} but the logits are on {device}")
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+    _check((u_accept is None) == (u_sample is None), "pass both u_accept and u_sample, or neither")
+    _check(draft_lengths is None or target_lengths is not None, "draft_lengths needs target_lengths")
+
+    if impl == "auto":
+        impl = "triton" if device.type == "cuda" else "cpp"
+    if impl == "cpp":
+        _check(device.type == "cpu", f"the C++ implementation runs on CPU tensors, got {device}")
+        return _verify_cpp(target_logits, draft_logits, draft_tokens, num_drafts, temperature, top_k, top_p, min_p,
+                           seeds, positions, u_accept, u_sample, target_lengths, draft_lengths)
+    if impl == "triton":
+        from ..kernels.verify import verify_triton
+
+        return verify_triton(target_logits, draft_logits, draft_tokens, num_drafts, temperature, top_k, top_p,
+                             min_p, seeds, positions, u_accept, u_sample, target_lengths, draft_lengths)
+    if u_accept is None:
+        steps = positions[:, None] + torch.arange(G1, device=device)
+        u_accept, u_sample = uniforms(seeds, steps, STREAM_ACCEPT), uniforms(seeds, steps, STREAM_SAMPLE)
+    emitted, counts = verify_reference(target_logits, draft_logits, draft_tokens, num_drafts, temperature, top_k,
+                                       top_p, min_p, u_accept, u_sample)
+    if target_lengths is not None:
+        target_lengths.add_(counts)
+        if draft_lengths is not None:
+            torch.minimum(draft_lengths, target_lengths, out=draft_lengths)
+    return emitted, counts
+
+
+def _verify_cpp(target_logits, draft_logits, draft_tokens, num_drafts, temperature, top_k, top_p, min_p, seeds,
+                positions, u_accept, u_sample, target_lengths, draft_lengths):
+    from .. import _C
+
+    B, G1, V = target_logits.shape
+    emitted = torch.empty(B, G1, dtype=torch.int64)
+    counts = torch.empty(B, dtype=torch.int64)
+    address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    d_stride = (draft_logits.stride(0), draft_logits.stride(1)) if draft_logits is not None else (0, 0)
+    _C.verify(address(target_logits), address(draft_logits), _DTYPE_CODES[target_logits.dtype], B, G1 - 1, V,
+              target_logits.stride(0), target_logits.stride(1), *d_stride, address(draft_tokens),
+              address(num_drafts), address(temperature), address(top_k), address(top_p), address(min_p),
+              address(seeds), address(positions), address(u_accept), address(u_sample), address(emitted),
+              address(counts), address(target_lengths), address(draft_lengths))
+    return emitted, counts
