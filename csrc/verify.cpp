@@ -54,61 +54,45 @@ inline float load(const void* base, LogitDtype dtype, int64_t index) {
   return 0.f;
 }
 
-// The warped distribution of one logit row, as a recipe to compute any prob(v) on the fly.
+// The warped distribution of one logit row, held in a per-row buffer (cache-resident, never
+// written back to memory): one exp per entry, then every lookup is a load.
 struct Warp {
-  std::vector<float> logits;  // the row in float32 (one read of memory, then cache-resident)
+  std::vector<float> probs;  // the row's logits, turned in place into the warped probabilities
   bool greedy = false;
   int64_t argmax = 0;
-  float max = 0.f, temperature = 1.f;
-  float kth = -std::numeric_limits<float>::infinity();  // top-k threshold on the scaled logit
-  float z1 = 1.f;          // softmax normaliser over the top-k survivors
-  float floor_prob = 0.f;  // top-p and min-p: keep probs >= floor_prob (in softmax units)
-  float z2 = 1.f;          // final normaliser over what survives
 
-  float softmax_prob(int64_t v) const {  // after temperature and top-k, before top-p / min-p
-    const float scaled = (logits[v] - max) / temperature;
-    return scaled >= kth ? std::exp(scaled) / z1 : 0.f;
-  }
-  float prob(int64_t v) const {
-    if (greedy) return v == argmax ? 1.f : 0.f;
-    const float p = softmax_prob(v);
-    return p >= floor_prob && p > 0.f ? p / z2 : 0.f;
-  }
+  float prob(int64_t v) const { return greedy ? (v == argmax ? 1.f : 0.f) : probs[v]; }
 };
 
 void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int64_t V, float temperature,
                 int64_t top_k, float top_p, float min_p, std::vector<float>& scratch) {
-  w.logits.resize(V);
-  for (int64_t v = 0; v < V; ++v) w.logits[v] = load(base, dtype, offset + v);
-  w.argmax = std::max_element(w.logits.begin(), w.logits.end()) - w.logits.begin();  // first max
-  w.max = w.logits[w.argmax];
+  std::vector<float>& x = w.probs;
+  x.resize(V);
+  for (int64_t v = 0; v < V; ++v) x[v] = load(base, dtype, offset + v);
+  w.argmax = std::max_element(x.begin(), x.end()) - x.begin();  // the first maximum
   w.greedy = temperature == 0.f;
   if (w.greedy) return;
   // Divide like the reference, (logit - max) / T: a multiply by 1/T rounds differently.
-  w.temperature = temperature;
-  auto scaled = [&](int64_t v) { return (w.logits[v] - w.max) / temperature; };
-  w.kth = -std::numeric_limits<float>::infinity();
-  if (top_k > 0 && top_k < V) {
-    scratch.resize(V);
-    for (int64_t v = 0; v < V; ++v) scratch[v] = scaled(v);
+  const float row_max = x[w.argmax];
+  for (int64_t v = 0; v < V; ++v) x[v] = (x[v] - row_max) / temperature;
+  float kth = -std::numeric_limits<float>::infinity();
+  if (top_k > 0 && top_k < V) {  // keep scaled logits >= the k-th largest (ties kept)
+    scratch.assign(x.begin(), x.end());
     std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(), std::greater<float>());
-    w.kth = scratch[top_k - 1];
+    kth = scratch[top_k - 1];
   }
   double z = 0.0;
   for (int64_t v = 0; v < V; ++v) {
-    const float s = scaled(v);
-    if (s >= w.kth) z += std::exp(s);
+    x[v] = x[v] >= kth ? std::exp(x[v]) : 0.f;
+    z += x[v];
   }
-  w.z1 = static_cast<float>(z);
-  w.floor_prob = 0.f;
+  const float z1 = static_cast<float>(z);
+  for (int64_t v = 0; v < V; ++v) x[v] /= z1;
+  float floor_prob = 0.f;
   if (top_p < 1.f) {
     // The nucleus: sorted descending, keep entries whose mass strictly before them is < top_p.
     // Sort only the largest m probabilities, doubling m until the nucleus closes inside them.
-    scratch.resize(V);
-    for (int64_t v = 0; v < V; ++v) {
-      const float s = scaled(v);
-      scratch[v] = s >= w.kth ? std::exp(s) / w.z1 : 0.f;
-    }
+    scratch.assign(x.begin(), x.end());
     int64_t m = std::min<int64_t>(V, 64);
     for (;;) {
       std::partial_sort(scratch.begin(), scratch.begin() + m, scratch.end(), std::greater<float>());
@@ -116,21 +100,20 @@ void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int
       int64_t kept = 0;
       while (kept < m && static_cast<float>(before) < top_p) before += scratch[kept++];
       if (kept < m || m == V) {
-        w.floor_prob = scratch[std::max<int64_t>(kept, 1) - 1];
+        floor_prob = scratch[std::max<int64_t>(kept, 1) - 1];
         break;
       }
       m = std::min(V, m * 2);
     }
   }
-  if (min_p > 0.f) w.floor_prob = std::max(w.floor_prob, min_p * (1.f / w.z1));
+  if (min_p > 0.f) floor_prob = std::max(floor_prob, min_p * (1.f / z1));
   double z2 = 0.0;
   for (int64_t v = 0; v < V; ++v) {
-    const float s = scaled(v);
-    if (s < w.kth) continue;
-    const float p = std::exp(s) / w.z1;
-    if (p >= w.floor_prob) z2 += p;
+    if (x[v] < floor_prob) x[v] = 0.f;
+    z2 += x[v];
   }
-  w.z2 = static_cast<float>(z2);
+  const float total = static_cast<float>(z2);
+  for (int64_t v = 0; v < V; ++v) x[v] /= total;
 }
 
 // Inverse-CDF sample of an unnormalised distribution given by mass(v) (as sample_from_probs):

@@ -1,7 +1,15 @@
-import pytest
+import os
+
 import torch
 
-from specengine.tiny import make_config, save_random_checkpoint, train_tokenizer
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It must be chosen
+# before any kernel module is imported (triton.jit reads it when decorating).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from specengine.tiny import make_config  # noqa: E402, save_random_checkpoint, train_tokenizer
 
 # Architectures and the features each exercises; saved with transformers' own save_pretrained.
 ARCH_CASES = {

@@ -80,3 +80,12 @@ def test_mixed_lengths_and_limits_in_one_batch(target):
     assert [r.token_ids for r in results] == alone
     assert [len(r.token_ids) for r in results] == [3, 24, 1, 11]
     assert all(r.finish_reason == "length" for r in results)
+
+
+@pytest.mark.gpu
+def test_greedy_on_cuda_equals_cpu(baseline):
+    """The whole loop on CUDA (Triton verify, torch Philox) gives the CPU's greedy tokens."""
+    target = tiny_model(V, seed=0, logit_scale=3.0).cuda()
+    for drafter in (None, ModelDrafter(target, V, V), NgramDrafter(1, 3)):
+        engine = Engine(target, drafter=drafter, gamma=4)
+        assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == baseline

@@ -7,7 +7,7 @@ from specengine.sampling.verify import verify_reference
 from specengine.sampling.warp import sample_from_probs, warp_probs
 
 from stats_util import chi_square_pvalue
-from verify_cases import VerifyCase, naive_verify, random_case
+from verify_cases import WARPS, VerifyCase, fixed_position_case, naive_verify, random_case
 
 HOSTILE = [(1, 1, 1), (3, 2, 111), (5, 8, 111), (1, 4, 8193), (3, 3, 32000), (2, 2, 151936), (7, 5, 64),
            (64, 1, 16), (64, 8, 33)]
@@ -84,33 +84,6 @@ def test_rows_without_drafts_emit_one_target_sample():
 
 
 # ---- statistics: the emitted token at a position is distributed as the warped p --------------
-
-WARPS = {
-    "T=1": dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
-    "T=0.7,top_k=5": dict(temperature=0.7, top_k=5, top_p=1.0, min_p=0.0),
-    "top_p=0.8": dict(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0),
-    "min_p=0.1": dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1),
-}
-
-
-def fixed_position_case(N, warp, one_hot=False, seed=0):
-    """N independent trials of one position (G=1) with fixed logits of p and q over V=12."""
-    g = torch.Generator().manual_seed(seed)
-    V = 12
-    p_logits = torch.randn(V, generator=g) * 1.5
-    q_logits = torch.randn(V, generator=g) * 1.5  # far from p: many rejections
-    params = {k: torch.full((N,), v, dtype=torch.int64 if k == "top_k" else torch.float32) for k, v in warp.items()}
-    q = warp_probs(q_logits.expand(N, V), params["temperature"], params["top_k"], params["top_p"], params["min_p"])
-    tokens = sample_from_probs(q, torch.rand(N, generator=g))[:, None]
-    if one_hot:  # a fixed deterministic draft: q is one-hot on it
-        tokens = torch.full((N, 1), int(p_logits.argsort()[-2]))
-    case = VerifyCase(p_logits.expand(N, 2, V).clone(), None if one_hot else q_logits.expand(N, 1, V).clone(),
-                      tokens, torch.ones(N, dtype=torch.int64), params["temperature"], params["top_k"],
-                      params["top_p"], params["min_p"], torch.rand(N, 2, generator=g), torch.rand(N, 2, generator=g))
-    p = warp_probs(p_logits[None], *(t[:1] for t in (params["temperature"], params["top_k"], params["top_p"],
-                                                     params["min_p"])))[0]
-    return case, p
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("warp", list(WARPS))

@@ -27,19 +27,22 @@ def warp_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     shifted = logits - logits.amax(-1, keepdim=True)
     scaled = shifted / torch.where(greedy, 1.0, temperature)[:, None]
 
-    sorted_logits = scaled.sort(dim=-1, descending=True).values
-    k = torch.where((top_k > 0) & (top_k < V), top_k, V)
-    kth = sorted_logits.gather(-1, (k - 1)[:, None])
-    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    use_top_k = (top_k > 0) & (top_k < V)
+    if use_top_k.any():  # (the sorts are skipped when no row needs them: same result, less time)
+        sorted_logits = scaled.sort(dim=-1, descending=True).values
+        kth = sorted_logits.gather(-1, (torch.where(use_top_k, top_k, V) - 1)[:, None])
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
 
-    # Mass strictly above each sorted entry, with equal probabilities sharing their group's value.
-    sorted_probs = probs.sort(dim=-1, descending=True).values
-    mass_before = torch.cat([sorted_probs.new_zeros(N, 1), sorted_probs.cumsum(-1)[:, :-1]], dim=-1)
-    kept = (mass_before < top_p[:, None]).sum(-1, keepdim=True).clamp(min=1)
-    smallest_kept = sorted_probs.gather(-1, kept - 1)
-    use_top_p = (top_p < 1)[:, None]
-    probs = torch.where(use_top_p & (probs < smallest_kept), 0.0, probs)
+    use_top_p = top_p < 1
+    if use_top_p.any():
+        # Mass strictly before each sorted entry; the nucleus is every entry whose mass before is
+        # < top_p, and equal probabilities share the fate of their first (tie-inclusive).
+        sorted_probs = probs.sort(dim=-1, descending=True).values
+        mass_before = torch.cat([sorted_probs.new_zeros(N, 1), sorted_probs.cumsum(-1)[:, :-1]], dim=-1)
+        kept = (mass_before < top_p[:, None]).sum(-1, keepdim=True).clamp(min=1)
+        smallest_kept = sorted_probs.gather(-1, kept - 1)
+        probs = torch.where(use_top_p[:, None] & (probs < smallest_kept), 0.0, probs)
 
     probs = torch.where(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0, probs)
     probs = probs / probs.sum(-1, keepdim=True)

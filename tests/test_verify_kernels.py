@@ -1,0 +1,191 @@
+"""The fused verify kernels (C++ on CPU, Triton in its interpreter on CPU or compiled on a GPU)
+against the pure-torch reference: exact given the same uniforms, greedy/one-hot, statistical,
+invariants, hostile shapes. The interpreter costs milliseconds per program, so Triton's CPU
+grids stay small; its large statistical runs are marked gpu."""
+import pytest
+import torch
+
+from specengine.ops.verify import verify
+from specengine.sampling.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniforms
+from specengine.sampling.verify import verify_reference
+from specengine.sampling.warp import warp_probs
+
+from stats_util import chi_square_pvalue
+from verify_cases import WARPS, VerifyCase, fixed_position_case, random_case
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+KERNELS = ["cpp", "triton"]
+
+
+def device_for(impl):
+    return "cpu" if impl == "cpp" else DEVICE
+
+
+def run(impl, case: VerifyCase, explicit=True, seeds=None, positions=None, target_lengths=None, draft_lengths=None):
+    dev = device_for(impl)
+    B = case.num_drafts.shape[0]
+    to = lambda t: None if t is None else t.to(dev).contiguous()  # noqa: E731
+    seeds = torch.zeros(B, dtype=torch.int64) if seeds is None else seeds
+    positions = torch.zeros(B, dtype=torch.int64) if positions is None else positions
+    out = verify(to(case.target_logits), to(case.draft_logits), to(case.draft_tokens), to(case.num_drafts),
+                 to(case.temperature), to(case.top_k), to(case.top_p), to(case.min_p), to(seeds), to(positions),
+                 u_accept=to(case.u_accept) if explicit else None, u_sample=to(case.u_sample) if explicit else None,
+                 target_lengths=target_lengths, draft_lengths=draft_lengths, impl=impl)
+    return tuple(t.cpu() for t in out)
+
+
+def boundary_explains(case: VerifyCase, b: int, ref_row: torch.Tensor, got_row: torch.Tensor, eps=2e-5) -> bool:
+    """Whether row b's first disagreement sits where a uniform is within float rounding of a decision."""
+    j = int((ref_row != got_row).nonzero()[0])
+    V = case.target_logits.shape[-1]
+    params = [t[b:b + 1] for t in (case.temperature, case.top_k, case.top_p, case.min_p)]
+    p = warp_probs(case.target_logits[b, j:j + 1].float(), *params)[0].double()
+    if case.draft_logits is not None and j < case.draft_logits.shape[1]:
+        q = warp_probs(case.draft_logits[b, j:j + 1].float(), *params)[0].double()
+    elif j < case.draft_tokens.shape[1]:
+        q = torch.nn.functional.one_hot(case.draft_tokens[b, j], V).double()
+    else:
+        q = torch.zeros(V, dtype=torch.float64)
+    if j < int(case.num_drafts[b]):
+        x = int(case.draft_tokens[b, j])
+        if abs(float(case.u_accept[b, j]) * q[x] - p[x]) <= eps:
+            return True
+        dist = (p - q).clamp(min=0)
+    else:
+        dist = p
+    cdf = dist.cumsum(0)
+    return bool((cdf - float(case.u_sample[b, j]) * cdf[-1]).abs().min() <= eps * cdf[-1])
+
+
+def assert_matches_reference(case: VerifyCase, got):
+    ref_emitted, ref_counts = verify_reference(*case.args())
+    emitted, counts = got
+    differing = [b for b in range(len(counts)) if not torch.equal(emitted[b], ref_emitted[b])]
+    assert len(differing) <= max(1, len(counts) // 100), f"rows {differing} differ from the reference"
+    for b in differing:
+        assert boundary_explains(case, b, ref_emitted[b], emitted[b]), f"row {b} differs away from any boundary"
+    same = [b for b in range(len(counts)) if b not in differing]
+    assert torch.equal(counts[same], ref_counts[same])
+
+
+def shapes_for(impl):
+    shapes = [(1, 1, 1), (3, 2, 111), (5, 8, 111), (1, 4, 8193), (3, 1, 64), (6, 3, 17)]
+    if impl == "cpp" or GPU:
+        shapes += [(3, 3, 32000), (2, 2, 151936), (64, 5, 64), (8, 8, 1000), (1, 6, 32000)]
+    if GPU:
+        shapes += [(64, 8, 32000), (8, 4, 151936)]
+    return shapes
+
+
+def pytest_generate_tests(metafunc):
+    if "kernel_shape" in metafunc.fixturenames:
+        params = [(impl, shape) for impl in KERNELS for shape in shapes_for(impl)]
+        metafunc.parametrize("impl, kernel_shape", params, ids=[f"{i}-{s}" for i, s in params])
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_exact_against_reference_given_same_uniforms(impl, kernel_shape, one_hot):
+    B, G, V = kernel_shape
+    case = random_case(B, G, V, seed=B * 7 + G * 3 + V % 11, one_hot=one_hot)
+    assert_matches_reference(case, run(impl, case))
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logits(impl, dtype):
+    case = random_case(5, 3, 111, seed=4, dtype=dtype)
+    assert_matches_reference(case, run(impl, case))
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_huge_logits_and_all_but_one_masked(impl):
+    case = random_case(4, 2, 50, seed=9)
+    case.target_logits = case.target_logits * 1e30
+    case.draft_logits[1] = float("-inf")
+    case.draft_logits[1, :, 7] = 0.0  # the draft can only say token 7
+    case.draft_tokens[1] = 7
+    assert_matches_reference(case, run(impl, case))
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_philox_mode_equals_reference_with_the_same_uniforms(impl):
+    """Without explicit uniforms the kernels draw Philox(seed, position + i, stream) themselves."""
+    case = random_case(6, 4, 97, seed=2)
+    seeds = torch.tensor([0, 1, 2**62, 12345, 2**32, 77])
+    positions = torch.tensor([0, 5, 2**33, 100, 7, 1])
+    steps = positions[:, None] + torch.arange(5)
+    case.u_accept, case.u_sample = uniforms(seeds, steps, STREAM_ACCEPT), uniforms(seeds, steps, STREAM_SAMPLE)
+    got = run(impl, case, explicit=False, seeds=seeds, positions=positions)
+    assert_matches_reference(case, got)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_greedy_rows_take_the_argmax_path_beside_sampled_rows(impl):
+    V = 10
+    target = torch.randn(3, 4, V)
+    best = target.argmax(-1)
+    tokens = best[:, :3].clone()
+    tokens[0, 1] = (tokens[0, 1] + 1) % V  # row 0: second draft wrong
+    case = VerifyCase(target, torch.randn(3, 3, V), tokens, torch.tensor([3, 3, 2]), torch.tensor([0.0, 0.0, 1.0]),
+                      torch.zeros(3, dtype=torch.int64), torch.ones(3), torch.zeros(3), torch.rand(3, 4),
+                      torch.rand(3, 4))
+    emitted, counts = run(impl, case)
+    assert emitted[0].tolist() == [int(best[0, 0]), int(best[0, 1]), -1, -1] and counts[0] == 2
+    assert emitted[1].tolist() == best[1].tolist() and counts[1] == 4
+    assert_matches_reference(case, (emitted, counts))
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_invariants_and_cache_lengths(impl):
+    case = random_case(9, 5, 40, seed=5)
+    case.num_drafts[0] = 0
+    target_lengths = torch.arange(9) * 10
+    draft_lengths = target_lengths + torch.tensor([-3, 0, 2, 9, 4, -1, 6, 0, 1])
+    t, d = target_lengths.clone().to(device_for(impl)), draft_lengths.clone().to(device_for(impl))
+    emitted, counts = run(impl, case, target_lengths=t, draft_lengths=d)
+    t, d = t.cpu(), d.cpu()
+    assert counts[0] == 1 and (emitted[0, 1:] == -1).all(), "a row without drafts emits exactly one token"
+    assert ((counts >= 1) & (counts <= case.num_drafts + 1)).all()
+    assert ((emitted >= 0) == (torch.arange(6) < counts[:, None])).all(), "-1 exactly after the end"
+    assert torch.equal(t, target_lengths + counts), "target lengths advance by the emitted count"
+    assert torch.equal(d, torch.minimum(draft_lengths, t)), "draft lengths clip to the target's"
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_rows_are_independent_of_the_batch(impl):
+    case = random_case(6, 3, 64, seed=8)
+    seeds, positions = torch.arange(6) * 1000, torch.arange(6) * 3
+    whole = run(impl, case, explicit=False, seeds=seeds, positions=positions)
+    sub = VerifyCase(*(t[2:4] if t is not None else None for t in case.args()))
+    part = run(impl, sub, explicit=False, seeds=seeds[2:4], positions=positions[2:4])
+    assert torch.equal(whole[0][2:4], part[0]) and torch.equal(whole[1][2:4], part[1])
+
+
+# ---- statistics: the emitted token is distributed as the warped p --------------------------------
+
+def statistical_impls():
+    return ["cpp", pytest.param("triton", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", statistical_impls())
+@pytest.mark.parametrize("warp", list(WARPS))
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_emitted_token_is_distributed_as_p(impl, warp, one_hot):
+    N = 100_000
+    case, p = fixed_position_case(N, WARPS[warp], one_hot)
+    emitted, counts = run(impl, case, explicit=False, seeds=torch.arange(N), positions=torch.full((N,), 17))
+    assert chi_square_pvalue(torch.bincount(emitted[:, 0], minlength=p.numel()), p) > 1e-3
+
+
+@pytest.mark.gpu
+def test_triton_does_not_recompile_for_new_round_sizes():
+    from specengine.kernels.verify import _verify_kernel
+
+    for G, V in [(1, 64), (3, 64), (5, 100), (2, 100)]:
+        case = random_case(4, G, V, seed=G)
+        run("triton", case)
+    # One specialisation per (dtype, flags, BLOCK), not per G or V.
+    cache = _verify_kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(cache) <= 2
