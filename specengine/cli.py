@@ -6,13 +6,15 @@ import json
 import sys
 
 from .sampling.params import SamplingParams
+from .shipped import shipped_pair
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specengine", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    gen.add_argument("--target", required=True, help="local Hugging Face folder of the target model")
+    gen.add_argument("--target", help="local Hugging Face folder of the target model "
+                                      "(default: the shipped pycode pair, target and draft)")
     gen.add_argument("--draft", help="local Hugging Face folder of the draft model (none: target-only)")
     gen.add_argument("--drafter", choices=("model", "ngram"), default="model",
                      help="draft with the --draft model, or by prompt lookup (ngram)")
@@ -39,7 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                                 stop=tuple(args.stop))
-        engine = Engine.from_pretrained(args.target, args.draft, drafter=args.drafter, gamma=args.gamma,
+        target, draft = args.target, args.draft
+        if target is None:
+            pair = shipped_pair()
+            if pair is None:
+                raise ValueError("no --target given and no shipped model pair is installed")
+            target = pair[0]
+            if draft is None and args.drafter == "model":
+                draft = pair[1]
+        engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
                                         device=args.device, dtype=args.dtype)
         if args.json:
             (result,) = engine.generate([args.prompt], params)

@@ -1,8 +1,8 @@
 """`make demo`: one real generation, target-only and speculative, with speed and acceptance statistics.
 
-No trained model pair ships yet, so the demo builds a tiny RANDOMLY INITIALISED pair
-(see specengine.tiny.build_demo_pair) and says so: its text is gibberish, but the run
-is real decoding, and greedy speculative output must equal target-only output.
+It runs the shipped pycode pair. Where that pair is not installed, it builds a tiny RANDOMLY
+INITIALISED pair instead (specengine.tiny.build_demo_pair) and says so: its text is gibberish,
+but the run is real decoding, and greedy speculative output must equal target-only output.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from . import Engine, SamplingParams
+from .shipped import shipped_pair
 from .tiny import build_demo_pair
 
 
@@ -22,9 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=int, default=4)
     args = parser.parse_args(argv)
 
-    print("NOTE: no trained model pair ships with specengine yet; this demo runs a tiny RANDOMLY "
-          "INITIALISED Llama pair (target: 4 layers, draft: its first layer), so the text is gibberish.")
-    target_dir, draft_dir = build_demo_pair(Path(args.models))
+    pair = shipped_pair()
+    if pair is None:
+        print("NOTE: the trained model pair is not installed; this demo runs a tiny RANDOMLY INITIALISED "
+              "Llama pair (the draft is the target's first layer), so the text is gibberish.")
+        pair = build_demo_pair(Path(args.models))
+    target_dir, draft_dir = pair
+    print(f"target: {target_dir}\ndraft:  {draft_dir}")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0, ignore_eos=True)
 
     baseline = Engine.from_pretrained(target_dir)

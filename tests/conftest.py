@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from specengine.tiny import make_config  # noqa: E402, save_random_checkpoint, train_tokenizer
+from specengine.tiny import make_config, save_random_checkpoint, train_tokenizer  # noqa: E402
 
 # Architectures and the features each exercises; saved with transformers' own save_pretrained.
 ARCH_CASES = {
