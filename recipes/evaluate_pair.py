@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):"]
 
 
-def heldout_prompts(work: Path, tokenizer, count: int, prompt_tokens: int = 48) -> list[list[int]]:
-    files = json.loads((work / "heldout_files.json").read_text())
+def heldout_prompts(target_dir: Path, tokenizer, count: int, prompt_tokens: int = 48) -> list[list[int]]:
+    files = json.loads((target_dir / "heldout_files.json").read_text())
     root = Path(sysconfig.get_paths()["stdlib"])
     prompts = []
     for name in files:
@@ -58,14 +58,13 @@ def step_time(model, reps: int = 30) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default=str(ROOT / "specengine" / "pretrained"))
-    parser.add_argument("--work", default=str(ROOT / ".train-work"))
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     pair = Path(args.pair)
     target_dir, draft_dir = pair / "pycode-target", pair / "pycode-draft"
     engine = Engine.from_pretrained(target_dir, draft_dir, gamma=4)
-    prompts = heldout_prompts(Path(args.work), engine.tokenizer, args.prompts)
+    prompts = heldout_prompts(target_dir, engine.tokenizer, args.prompts)
 
     alpha = {}
     for temperature in (0.0, 1.0):

@@ -9,8 +9,9 @@ Stages (each skipped when its output exists; training resumes from its last chec
   3. target     Llama ~30M parameters, next-token cross-entropy
   4. draft      Llama ~3M parameters, half cross-entropy, half distillation from the target's logits
   5. export     bfloat16 Hugging Face folders (config, generation config, safetensors, tokenizer)
+  6. evaluate   recipes/evaluate_pair.py measures the pair and writes the model cards
 The learning rate follows a cosine over the stage's wall-clock budget, so a run of any length
-ends annealed. Measurements for the model cards come from recipes/evaluate_pair.py.
+ends annealed.
 """
 from __future__ import annotations
 
@@ -200,6 +201,11 @@ def export(kind: str, model, tokenizer, out: Path, meta: dict):
     model.to(torch.float32)
 
 
+def copy_heldout_list(work: Path, out: Path):
+    """The held-out file names travel with the target, so tests can check the tokenizer on them."""
+    (out / "heldout_files.json").write_text((work / "heldout_files.json").read_text())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default=str(ROOT / ".train-work"))
@@ -233,7 +239,13 @@ def main():
                     train_steps=state["step"], train_tokens=state["tokens"], train_seconds=state["elapsed"],
                     machine=machine, torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
         export(kind, model, tokenizer, out / f"pycode-{kind}", meta)
-    print(f"done in {time.time() - t0:.0f}s; folders in {out}")
+    copy_heldout_list(work, out / "pycode-target")
+    print(f"trained and exported in {time.time() - t0:.0f}s; folders in {out}; evaluating")
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(Path(__file__).with_name("evaluate_pair.py")), "--pair", str(out)],
+                   check=True)
 
 
 if __name__ == "__main__":

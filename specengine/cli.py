@@ -9,6 +9,15 @@ from .sampling.params import SamplingParams
 from .shipped import shipped_pair
 
 
+def _gamma(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"gamma must be an integer or 'auto', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specengine", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -19,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", choices=("model", "ngram"), default="model",
                      help="draft with the --draft model, or by prompt lookup (ngram)")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--gamma", type=int, default=5, help="draft tokens per round")
+    gen.add_argument("--gamma", type=_gamma, default=5,
+                     help="draft tokens per round, or 'auto' to choose it each round from measured costs")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=0)

@@ -22,6 +22,7 @@ from ..models.llama import LlamaForCausalLM
 from ..sampling.batch import SamplingBatch, check_logits
 from ..ops.verify import IMPLEMENTATIONS, verify
 from ..sampling.params import SamplingParams
+from .gamma import CostModel, GammaController, measure_costs
 from .request import DecodeStats, Request, Result
 from .runner import feed
 
@@ -31,18 +32,30 @@ Prompt = str | Sequence[int]
 
 
 class Engine:
-    def __init__(self, target: LlamaForCausalLM, tokenizer=None, drafter: Drafter | None = None, gamma: int = 5,
-                 max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 verify_impl: str = "auto"):
-        """verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch)."""
+    def __init__(self, target: LlamaForCausalLM, tokenizer=None, drafter: Drafter | None = None,
+                 gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
+                 verify_impl: str = "auto", max_gamma: int = 8, costs: CostModel | None = None):
+        """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma) from
+        costs measured now (or given as `costs`) and each request's running acceptance rate.
+        verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch)."""
         if verify_impl not in IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {verify_impl!r}")
-        if drafter is not None and (not isinstance(gamma, int) or not 1 <= gamma <= 64):
-            raise ValueError(f"gamma must be an integer in [1, 64] when drafting, got {gamma!r}")
+        self.gamma_controller: GammaController | None = None
+        if drafter is not None and gamma == "auto":
+            if not isinstance(max_gamma, int) or not 1 <= max_gamma <= 64:
+                raise ValueError(f"max_gamma must be an integer in [1, 64], got {max_gamma!r}")
+            draft_model = getattr(drafter, "model", None)
+            costs = costs or measure_costs(target, draft_model, max_gamma)
+            if costs.max_gamma != max_gamma:
+                raise ValueError(f"costs cover gamma up to {costs.max_gamma}, not max_gamma={max_gamma}")
+            self.gamma_controller = GammaController(costs)
+            gamma = max_gamma
+        elif drafter is not None and (not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= 64):
+            raise ValueError(f"gamma must be an integer in [1, 64] or 'auto' when drafting, got {gamma!r}")
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.gamma = gamma if drafter is not None else 0
+        self.gamma = gamma if drafter is not None else 0  # the most drafts a round may propose
         context = target.config.max_position_embeddings
         if max_seq_len is not None and not 2 <= max_seq_len:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
@@ -57,8 +70,8 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
-                        gamma: int = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                        max_seq_len: int | None = None, verify_impl: str = "auto") -> "Engine":
+                        gamma: int | str = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                        max_seq_len: int | None = None, verify_impl: str = "auto", max_gamma: int = 8) -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders.
 
         drafter "model" uses the draft folder (none given: target-only decoding); "ngram"
@@ -84,7 +97,7 @@ class Engine:
             draft_model = load_model(draft, device, dtype)
             check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
             chosen = ModelDrafter(draft_model, target_model.config.vocab_size, len(tokenizer))
-        return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl)
+        return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl, max_gamma=max_gamma)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -186,7 +199,7 @@ class Engine:
 
         while active:
             sequences = [r.tokens for r in active]
-            budgets = [min(self.gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
+            budgets = [min(self._round_gamma(r), r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
                        for r, s in zip(active, sequences)]
             proposal = self._propose(sequences, budgets, sampling, device)
             # Verification also advances both caches' lengths: that is the whole rollback.
@@ -197,6 +210,7 @@ class Engine:
             drafted = proposal.num_drafts.tolist()
             for r, row, count, n_drafts in zip(active, emitted_rows, counts, drafted):
                 self._account(r, count - 1, n_drafts, proposal.draft_calls)
+                r.acceptance.update(count - 1, int(count - 1 < n_drafts))
                 self._append(r, row[:count], capacity)
                 if r.finish_reason is not None:
                     r.stats.wall_time_s = time.perf_counter() - t0
@@ -211,6 +225,9 @@ class Engine:
                     if self.drafter is not None:
                         self.drafter.keep_rows(keep)
         self.last_run_stats = DecodeStats.combine([r.stats for r in requests], time.perf_counter() - t0)
+
+    def _round_gamma(self, r: Request) -> int:
+        return self.gamma if self.gamma_controller is None else self.gamma_controller.choose(r.acceptance)
 
     def _propose(self, sequences, budgets, sampling, device) -> Proposal:
         if self.drafter is None or max(budgets) == 0:

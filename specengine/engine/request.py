@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..sampling.params import SamplingParams
+from .gamma import AcceptanceEstimate
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Request:
     finish_reason: str | None = None
     message: str = ""
     stop_text: str | None = None  # the text cut before a stop string, when one ended the request
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # for gamma="auto"
 
     @property
     def tokens(self) -> list[int]:

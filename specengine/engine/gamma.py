@@ -1,0 +1,110 @@
+"""Choosing gamma: the paper's analysis (Section 3) turned into a per-round decision.
+
+With per-token acceptance rate alpha, a round that drafts g tokens emits on average
+(1 - alpha^(g+1)) / (1 - alpha) tokens (Equation 1) and costs g draft steps plus one target
+call on g + 1 tokens. gamma="auto" picks, for each row and round, the g that maximises
+expected tokens per second, from costs measured on this machine (verifying k tokens is not
+free on a CPU) and a smoothed per-request estimate of alpha. g = 0 is plain target-only
+decoding, so a useless draft can never make decoding slower than no draft (beyond the
+occasional probe that keeps the estimate of alpha alive).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Mean tokens per round, (1 - alpha^(gamma+1)) / (1 - alpha) (paper Equation 1)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Theorem 3.8: walltime improvement over target-only decoding when a draft step costs c target steps."""
+    return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    draft_step_s: float            # one draft-model step (0 for free drafters such as n-gram)
+    verify_s: tuple[float, ...]    # verify_s[k - 1]: one target call on k tokens, k = 1..max_gamma + 1
+
+    def __post_init__(self):
+        if self.draft_step_s < 0 or not self.verify_s or min(self.verify_s) <= 0:
+            raise ValueError(f"costs must be positive, got {self}")
+
+    @property
+    def max_gamma(self) -> int:
+        return len(self.verify_s) - 1
+
+    def tokens_per_second(self, alpha: float, gamma: int) -> float:
+        return expected_tokens(alpha, gamma) / (gamma * self.draft_step_s + self.verify_s[gamma])
+
+    def best_gamma(self, alpha: float) -> int:
+        return max(range(self.max_gamma + 1), key=lambda g: (self.tokens_per_second(alpha, g), -g))
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A request's alpha: accepted / tested drafts with exponential forgetting and a weak prior."""
+
+    accepted: float = 1.0   # prior: one accepted ...
+    rejected: float = 1.0   # ... and one rejected draft (alpha = 0.5 before any evidence)
+    decay: float = 0.9      # per round: the last ~10 rounds dominate
+    rounds_without_drafts: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, accepted: int, rejected: int):
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + rejected
+
+
+class GammaController:
+    """Per-row gamma for each round from a CostModel and per-request AcceptanceEstimates."""
+
+    PROBE_EVERY = 16  # rounds at gamma 0 before drafting one token again to re-measure alpha
+
+    def __init__(self, costs: CostModel):
+        self.costs = costs
+
+    def choose(self, estimate: AcceptanceEstimate) -> int:
+        gamma = self.costs.best_gamma(estimate.alpha)
+        if gamma == 0:
+            estimate.rounds_without_drafts += 1
+            if estimate.rounds_without_drafts >= self.PROBE_EVERY:
+                estimate.rounds_without_drafts = 0
+                return 1
+        return gamma
+
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: int = 64, reps: int = 5) -> CostModel:
+    """Time the target on 1..max_gamma+1 tokens and one draft step, at `context` cached tokens."""
+    def step_time(model, tokens: int) -> float:
+        cache = model.new_cache(batch_size, context + tokens)
+        cache.lengths.fill_(context)
+        x = torch.zeros(batch_size, tokens, dtype=torch.int64, device=model.device)
+        return _median_seconds(lambda: model.logits(model(x, cache.lengths.clone(), cache, kv_len=context + tokens)), reps)
+
+    verify = tuple(step_time(target, k) for k in range(1, max_gamma + 2))
+    return CostModel(step_time(draft, 1) if draft is not None else 0.0, verify)

@@ -1,0 +1,95 @@
+"""Adaptive gamma: the cost model's choice, and the engine falling back to target-only decoding."""
+import pytest
+
+from specengine import Engine, SamplingParams
+from specengine.drafters.model import ModelDrafter
+from specengine.engine.gamma import AcceptanceEstimate, CostModel, GammaController, expected_tokens, predicted_speedup
+
+from engine_util import tiny_model
+
+
+def test_expected_tokens_and_theorem_3_8():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # Paper Table 2 style check: alpha 0.75, gamma 7, c 0 gives (1 - 0.75^8) / 0.25.
+    assert predicted_speedup(0.75, 7, 0.0) == pytest.approx((1 - 0.75 ** 8) / 0.25)
+    assert predicted_speedup(0.0, 3, 0.1) == pytest.approx(1 / 1.3)
+
+
+def brute_force_best(costs: CostModel, alpha: float) -> int:
+    rates = [expected_tokens(alpha, g) / (g * costs.draft_step_s + costs.verify_s[g]) for g in range(len(costs.verify_s))]
+    return rates.index(max(rates))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.05, 0.3, 0.6, 0.8, 0.95, 1.0])
+@pytest.mark.parametrize("draft_cost, verify_slope", [(0.0, 0.0), (0.05, 0.0), (0.05, 0.2), (0.5, 0.1), (2.0, 0.0)])
+def test_best_gamma_maximises_tokens_per_second(alpha, draft_cost, verify_slope):
+    costs = CostModel(draft_cost, tuple(1.0 + verify_slope * k for k in range(9)))
+    assert costs.best_gamma(alpha) == brute_force_best(costs, alpha)
+
+
+def test_useless_or_expensive_draft_gives_gamma_zero_and_good_draft_gives_many():
+    costs = CostModel(0.1, tuple(1.0 + 0.05 * k for k in range(9)))
+    assert costs.best_gamma(0.0) == 0 and costs.best_gamma(0.05) == 0
+    assert costs.best_gamma(0.95) >= 6
+    assert CostModel(1.5, (1.0,) * 9).best_gamma(0.9) == 0  # a draft slower than the target never pays
+
+
+def test_controller_probes_now_and_then_at_gamma_zero():
+    controller = GammaController(CostModel(0.5, (1.0,) * 5))
+    estimate = AcceptanceEstimate(accepted=0.0, rejected=50.0)
+    choices = [controller.choose(estimate) for _ in range(3 * GammaController.PROBE_EVERY)]
+    assert choices.count(1) == 3 and set(choices) == {0, 1}
+
+
+def test_acceptance_estimate_tracks_recent_rounds():
+    e = AcceptanceEstimate()
+    for _ in range(40):
+        e.update(accepted=3, rejected=1)
+    assert e.alpha == pytest.approx(0.75, abs=0.02)
+    for _ in range(40):
+        e.update(accepted=0, rejected=1)
+    assert e.alpha < 0.05
+
+
+def test_auto_gamma_with_useless_draft_decodes_like_target_only():
+    V = 48
+    target = tiny_model(V, seed=0, logit_scale=3.0)
+    useless = ModelDrafter(tiny_model(V, seed=7, num_layers=1, hidden_size=16), V, V)
+    params = SamplingParams(max_new_tokens=60, temperature=0)
+    baseline = Engine(target).generate([[1, 2, 3]], params)[0]
+    costs = CostModel(0.2, tuple(1.0 + 0.1 * k for k in range(9)))
+    engine = Engine(target, drafter=useless, gamma="auto", costs=costs)
+    (result,) = engine.generate([[1, 2, 3]], params)
+    assert result.token_ids == baseline.token_ids
+    hist = result.stats.accepted_histogram
+    # After a few rounds alpha's estimate collapses and rounds run without drafts (0 accepted).
+    assert result.stats.drafted < 20 and hist[0] == result.stats.rounds - sum(hist[1:])
+    assert len(hist) == 9
+
+
+def test_auto_gamma_with_perfect_draft_drafts_many_tokens():
+    V = 48
+    target = tiny_model(V, seed=0, logit_scale=3.0)
+    costs = CostModel(0.05, tuple(1.0 + 0.02 * k for k in range(9)))
+    engine = Engine(target, drafter=ModelDrafter(target, V, V), gamma="auto", costs=costs)
+    (result,) = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=60, temperature=0))
+    assert result.stats.tokens_per_round > 4
+    assert result.token_ids == Engine(target).generate([[1, 2, 3]], SamplingParams(max_new_tokens=60, temperature=0))[0].token_ids
+
+
+def test_auto_gamma_measures_costs_when_none_are_given():
+    target = tiny_model(32, seed=0)
+    engine = Engine(target, drafter=ModelDrafter(tiny_model(32, seed=1, num_layers=1), 32, 32), gamma="auto",
+                    max_gamma=3)
+    costs = engine.gamma_controller.costs
+    assert costs.max_gamma == 3 and costs.draft_step_s > 0 and all(t > 0 for t in costs.verify_s)
+
+
+def test_invalid_gamma():
+    target = tiny_model(32, seed=0)
+    with pytest.raises(ValueError, match="gamma must be an integer in \\[1, 64\\] or 'auto'"):
+        Engine(target, drafter=ModelDrafter(target, 32, 32), gamma="fast")
+    with pytest.raises(ValueError, match="costs cover gamma up to 2"):
+        Engine(target, drafter=ModelDrafter(target, 32, 32), gamma="auto", costs=CostModel(0.1, (1.0, 1.0, 1.0)))

@@ -1,0 +1,67 @@
+"""The trained pycode pair that ships inside the package."""
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from specengine.cli import main as cli_main
+from specengine.models import load_model
+from specengine.shipped import DRAFT_DIR, TARGET_DIR, shipped_pair
+from specengine.tokenizer import check_same_vocabulary, load_tokenizer
+
+
+def heldout_texts(limit=None):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = json.loads((TARGET_DIR / "heldout_files.json").read_text())
+    names = [n for n in names if (root / n).is_file()][:limit]
+    assert names, "no held-out file of the training split exists on this interpreter"
+    return [(root / n).read_text(encoding="utf-8", errors="replace") for n in names]
+
+
+def test_the_pair_is_installed_with_the_package():
+    assert shipped_pair() == (TARGET_DIR, DRAFT_DIR)
+    for folder in (TARGET_DIR, DRAFT_DIR):
+        for name in ("config.json", "generation_config.json", "tokenizer.json", "README.md", "training.json"):
+            assert (folder / name).is_file(), f"{folder.name}/{name}"
+        shards = list(folder.glob("*.safetensors"))
+        assert shards and all(s.stat().st_size <= 16 * 2**20 for s in shards)
+
+
+@pytest.mark.parametrize("folder", [TARGET_DIR, DRAFT_DIR], ids=["target", "draft"])
+def test_ours_and_transformers_give_the_same_logits_on_heldout_text(folder):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(folder)
+    ids = torch.tensor([tokenizer(heldout_texts(1)[0])["input_ids"][:96]])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(folder, dtype="float32")
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours.logits(ours(ids, torch.zeros(1, dtype=torch.int64), ours.new_cache(1, 128)))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_tokenizer_round_trips_heldout_files_and_is_shared():
+    tokenizer = load_tokenizer(TARGET_DIR)
+    check_same_vocabulary(tokenizer, load_tokenizer(DRAFT_DIR), TARGET_DIR, DRAFT_DIR)
+    assert len(tokenizer) == 8192 and tokenizer.eos_token == "<|endoftext|>"
+    for text in heldout_texts():
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_training_record_is_consistent():
+    target = json.loads((TARGET_DIR / "training.json").read_text())
+    draft = json.loads((DRAFT_DIR / "training.json").read_text())
+    assert target["parameters"] > 5 * draft["parameters"]
+    # Better than a unigram model of Python source (about 5.5 nats/token with this tokenizer).
+    assert target["heldout_loss"] < 5.0 and draft["heldout_loss"] < 5.5
+
+
+def test_cli_without_model_arguments_uses_the_pair(capsys):
+    assert cli_main(["generate", "--prompt", "def fibonacci(n):", "--temperature", "0", "--max-new-tokens", "24",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].strip() and out["text"].isascii()
+    assert out["stats"]["draft_calls"] > 0
