@@ -51,12 +51,17 @@ def test_tokenizer_round_trips_heldout_files_and_is_shared():
         assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
 
 
-def test_training_record_is_consistent():
+def test_models_beat_a_unigram_model_of_the_heldout_files():
+    """Held-out loss below the entropy of the held-out files' own token frequencies: the best any
+    unigram model could do there (an optimistic baseline computed here, not a fixed number)."""
+    tokenizer = load_tokenizer(TARGET_DIR)
+    ids = torch.tensor([t for text in heldout_texts() for t in tokenizer(text)["input_ids"]])
+    freq = torch.bincount(ids, minlength=len(tokenizer)).double() / len(ids)
+    unigram_loss = float(-(freq[freq > 0] * freq[freq > 0].log()).sum())
     target = json.loads((TARGET_DIR / "training.json").read_text())
     draft = json.loads((DRAFT_DIR / "training.json").read_text())
     assert target["parameters"] > 5 * draft["parameters"]
-    # Better than a unigram model of Python source (about 5.5 nats/token with this tokenizer).
-    assert target["heldout_loss"] < 5.0 and draft["heldout_loss"] < 5.5
+    assert target["heldout_loss"] < draft["heldout_loss"] < unigram_loss
 
 
 def test_cli_without_model_arguments_uses_the_pair(capsys):

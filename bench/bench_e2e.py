@@ -1,0 +1,264 @@
+"""End-to-end decoding benchmark on the shipped pair: specengine against Hugging Face and eager PyTorch.
+
+    python bench/bench_e2e.py [--quick] [--prompts 32] [--new-tokens 128] [--repeats 3]
+
+Every configuration runs in this one process after a warm-up; the repeats are interleaved
+(configuration after configuration, repeat after repeat) and the median is reported. Prompts
+are cut from the pair's held-out files. Writes bench/results/e2e-<date>.csv and a PNG with the
+measured and the predicted (Theorem 3.8) speedup against gamma, and the accepted-length
+histogram. Speedups of specengine are relative to its own target-only decoding (the paper's
+baseline); `vs_hf` and `vs_hf_assisted` compare with transformers at the same batch and temperature.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import platform
+import statistics
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specengine import Engine, SamplingParams
+from specengine.drafters.model import ModelDrafter
+from specengine.drafters.ngram import NgramDrafter
+from specengine.engine.gamma import measure_costs, predicted_speedup
+from specengine.shipped import shipped_pair
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Config:
+    name: str
+    kind: str                 # hf, hf_assisted, eager, spec
+    batch: int
+    temperature: float
+    gamma: int | str = 0      # spec only: 0 = target-only
+    drafter: str | None = None
+    runs: list[dict] = field(default_factory=list)
+
+
+def heldout_prompts(target_dir: Path, tokenizer, count: int, length: int = 64) -> list[list[int]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = json.loads((target_dir / "heldout_files.json").read_text())
+    prompts = []
+    for name in names:
+        ids = tokenizer((root / name).read_text(encoding="utf-8", errors="replace"))["input_ids"]
+        if len(ids) > 4 * length:
+            prompts.append(ids[len(ids) // 3: len(ids) // 3 + length])
+        if len(prompts) == count:
+            return prompts
+    raise SystemExit(f"only {len(prompts)} held-out files are long enough for {count} prompts")
+
+
+@torch.inference_mode()
+def eager_decode(model, prompt_batch: list[list[int]], new_tokens: int, temperature: float, seed: int) -> list[list[int]]:
+    """The plain baseline: prefill, then one target step per token on our model and its KV cache."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(prompt_batch)
+    cache = model.new_cache(B, len(prompt_batch[0]) + new_tokens)
+    tokens = torch.tensor(prompt_batch)
+    hidden = model(tokens, cache.lengths.clone(), cache)[:, -1]
+    cache.lengths.add_(tokens.shape[1])
+    out = []
+    for _ in range(new_tokens):
+        logits = model.logits(hidden)
+        nxt = (logits.argmax(-1) if temperature == 0
+               else torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)[:, 0])
+        out.append(nxt)
+        hidden = model(nxt[:, None], cache.lengths.clone(), cache)[:, 0]
+        cache.lengths.add_(1)
+    return torch.stack(out, 1).tolist()
+
+
+@torch.inference_mode()
+def hf_decode(hf, prompt_batch, new_tokens, temperature, assistant=None) -> list[list[int]]:
+    ids = torch.tensor(prompt_batch)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    if temperature == 0:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    if assistant is not None:
+        kwargs.update(assistant_model=assistant)
+    out = hf.generate(ids, **kwargs)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer prompts, tokens and gammas")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pair", nargs=2, metavar=("TARGET", "DRAFT"), help="default: the shipped pair")
+    args = parser.parse_args()
+    if args.quick:
+        args.prompts, args.new_tokens, args.repeats = 8, 48, 2
+    pair = tuple(map(Path, args.pair)) if args.pair else shipped_pair()
+    if pair is None:
+        raise SystemExit("the shipped pair is not installed (see recipes/train_pair.py)")
+    from transformers import AutoModelForCausalLM
+
+    target_dir, draft_dir = pair
+    engine = Engine.from_pretrained(target_dir)
+    target, tokenizer = engine.target, engine.tokenizer
+    draft = Engine.from_pretrained(draft_dir).target
+    V = target.config.vocab_size
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    prompts = heldout_prompts(target_dir, tokenizer, args.prompts)
+    gammas = [1, 2, 4, 6, 8] if args.quick else list(range(1, 9))
+
+    configs: list[Config] = []
+    for T in (0.0, 1.0):
+        for B in (1, 8):
+            configs.append(Config(f"hf T={T:g} B={B}", "hf", B, T))
+            if B == 1:
+                configs.append(Config(f"hf-assisted T={T:g} B={B}", "hf_assisted", B, T))
+            configs.append(Config(f"eager T={T:g} B={B}", "eager", B, T))
+            configs.append(Config(f"spec target-only T={T:g} B={B}", "spec", B, T))
+            for g in gammas + ["auto"]:
+                configs.append(Config(f"spec draft gamma={g} T={T:g} B={B}", "spec", B, T, g, "model"))
+            configs.append(Config(f"spec ngram gamma=4 T={T:g} B={B}", "spec", B, T, 4, "ngram"))
+
+    engines = {}
+
+    def spec_engine(cfg: Config) -> Engine:
+        key = (cfg.drafter, cfg.gamma)
+        if key not in engines:
+            drafter = {"model": ModelDrafter(draft, V, len(tokenizer)), "ngram": NgramDrafter(), None: None}[cfg.drafter]
+            engines[key] = Engine(target, tokenizer, drafter, gamma=cfg.gamma or 1)
+        return engines[key]
+
+    def run(cfg: Config, rep: int, limit: int | None = None) -> dict:
+        chosen = prompts[: limit or len(prompts)]
+        batches = [chosen[i: i + cfg.batch] for i in range(0, len(chosen), cfg.batch)]
+        outputs, stats = [], []
+        t0 = time.perf_counter()
+        for i, batch in enumerate(batches):
+            if cfg.kind == "hf":
+                outputs += hf_decode(hf, batch, args.new_tokens, cfg.temperature)
+            elif cfg.kind == "hf_assisted":
+                outputs += hf_decode(hf, batch, args.new_tokens, cfg.temperature, assistant=hf_draft)
+            elif cfg.kind == "eager":
+                outputs += eager_decode(target, batch, args.new_tokens, cfg.temperature, seed=rep * 1000 + i)
+            else:
+                params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=cfg.temperature, ignore_eos=True,
+                                         seed=rep * 1000 + i * 10 + j) for j in range(len(batch))]
+                e = spec_engine(cfg)
+                outputs += [r.token_ids for r in e.generate(batch, params)]
+                stats.append(e.last_run_stats)
+        seconds = time.perf_counter() - t0
+        run_stats = dict(seconds=seconds, tokens=sum(len(o) for o in outputs), outputs=outputs)
+        if stats:
+            accepted = sum(s.accepted for s in stats)
+            tested = accepted + sum(s.rejections for s in stats)
+            run_stats.update(alpha=accepted / tested if tested else None,
+                             tokens_per_call=sum(s.generated_tokens for s in stats) / sum(s.rounds for s in stats),
+                             histogram=[sum(h) for h in zip(*(s.accepted_histogram for s in stats))])
+        return run_stats
+
+    # Warm-up (every configuration once, on one prompt), then interleaved repeats.
+    for cfg in tqdm(configs, desc="warm-up"):
+        run(cfg, rep=99, limit=cfg.batch)
+    costs = measure_costs(target, draft, 8)
+    c = costs.draft_step_s / costs.verify_s[0]
+    with tqdm(total=args.repeats * len(configs), desc="benchmark") as bar:
+        for rep in range(args.repeats):
+            for cfg in configs:
+                cfg.runs.append(run(cfg, rep))
+                bar.update()
+
+    rows = []
+    date = datetime.date.today().isoformat()
+    machine = f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+    def rate(cfg):
+        return statistics.median(r["tokens"] / r["seconds"] for r in cfg.runs)
+
+    by_name = {cfg.name: cfg for cfg in configs}
+    draft_params = sum(p.numel() for p in draft.parameters())
+    target_params = sum(p.numel() for p in target.parameters())
+    for cfg in configs:
+        T, B = cfg.temperature, cfg.batch
+        hf_rate = rate(by_name[f"hf T={T:g} B={B}"])
+        assisted = by_name.get(f"hf-assisted T={T:g} B={B}")
+        base = rate(by_name[f"spec target-only T={T:g} B={B}"])
+        alpha = statistics.median(r["alpha"] for r in cfg.runs) if cfg.runs[0].get("alpha") is not None else None
+        g = cfg.gamma if isinstance(cfg.gamma, int) else None
+        row = dict(machine=machine, date=date, torch=torch.__version__, config=cfg.name, kind=cfg.kind, batch=B,
+                   temperature=T, gamma=cfg.gamma, drafter=cfg.drafter or "", tokens_per_s=round(rate(cfg), 2),
+                   vs_hf=round(rate(cfg) / hf_rate, 3),
+                   vs_hf_assisted=round(rate(cfg) / rate(assisted), 3) if assisted else "n/a (HF assisted: batch 1 only)",
+                   alpha=round(alpha, 4) if alpha is not None else "",
+                   tokens_per_target_call=round(statistics.median(r["tokens_per_call"] for r in cfg.runs), 3)
+                   if "tokens_per_call" in cfg.runs[0] else "",
+                   c=round(c, 4) if cfg.drafter == "model" else "",
+                   measured_speedup=round(rate(cfg) / base, 3) if cfg.kind == "spec" else "",
+                   predicted_speedup=round(predicted_speedup(alpha, g, c), 3)
+                   if cfg.drafter == "model" and g and alpha is not None else "",
+                   ops_ratio=round((1 - alpha) * (g * draft_params / target_params + g + 1) / (1 - alpha ** (g + 1)), 3)
+                   if cfg.drafter == "model" and g and alpha is not None and alpha < 1 else "")
+        rows.append(row)
+    # Greedy outputs of every specengine configuration must equal Hugging Face's greedy outputs.
+    for B in (1, 8):
+        reference = by_name[f"hf T=0 B={B}"].runs[0]["outputs"]
+        for cfg in configs:
+            if cfg.kind in ("spec", "eager") and cfg.temperature == 0 and cfg.batch == B:
+                same = all(r["outputs"] == reference for r in cfg.runs)
+                next(row for row in rows if row["config"] == cfg.name)["greedy_equals_hf"] = same
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"e2e-{date}.csv"
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    for row in rows:
+        print(f"{row['config']:38s} {row['tokens_per_s']:8.1f} tok/s  vs HF {row['vs_hf']:6.2f}x  "
+              f"alpha {row['alpha']!s:6s} speedup {row['measured_speedup']!s:6s} predicted {row['predicted_speedup']!s:6s}"
+              f" greedy==HF {row.get('greedy_equals_hf', '')}")
+    plot(rows, configs, gammas, RESULTS / f"e2e-{date}.png")
+    print(f"wrote {out}")
+
+
+def plot(rows, configs, gammas, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for T in (0.0, 1.0):
+        pts = [(r["gamma"], r["measured_speedup"], r["predicted_speedup"]) for r in rows
+               if r["drafter"] == "model" and isinstance(r["gamma"], int) and r["batch"] == 1 and r["temperature"] == T]
+        if pts:
+            g, m, p = zip(*pts)
+            axes[0].plot(g, m, "o-", label=f"measured T={T:g}")
+            axes[0].plot(g, p, "x--", label=f"Theorem 3.8 T={T:g}")
+    axes[0].axhline(1.0, color="grey", lw=0.5)
+    axes[0].set(xlabel="gamma", ylabel="speedup over target-only (batch 1)", title="speedup vs gamma")
+    axes[0].legend()
+    for cfg in configs:
+        if cfg.drafter == "model" and cfg.gamma == max(gammas) and cfg.batch == 1:
+            hist = [sum(h) for h in zip(*(r["histogram"] for r in cfg.runs))]
+            axes[1].bar([i + (0.2 if cfg.temperature else -0.2) for i in range(len(hist))], hist, width=0.4,
+                        label=f"T={cfg.temperature:g}")
+    axes[1].set(xlabel=f"drafts accepted per round (gamma={max(gammas)})", ylabel="rounds",
+                title="accepted-length histogram")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
