@@ -122,6 +122,20 @@ def _prob(x, index, greedy, row_max, row_argmax, t, kth_key, z1, floor, z2):
     return tl.where(greedy, tl.where(index == row_argmax, 1.0, 0.0), p)
 
 
+@triton.jit
+def _final_pq(p_row, q_row, idx, valid, need_q, x_tok, greedy, t, pm, pa, pk, pz1, pf, pz2, qm, qa, qk, qz1, qf, qz2,
+              HAS_DRAFT: tl.constexpr):
+    """p and q of one block at the deciding position (0 outside the vocabulary; q only if need_q)."""
+    p = _prob(tl.load(p_row + idx, mask=valid, other=-float("inf")).to(tl.float32), idx, greedy,
+              pm, pa, t, pk, pz1, pf, pz2)
+    if HAS_DRAFT:
+        q = _prob(tl.load(q_row + idx, mask=valid & need_q, other=-float("inf")).to(tl.float32), idx, greedy,
+                  qm, qa, t, qk, qz1, qf, qz2)
+    else:
+        q = tl.where(idx == x_tok, 1.0, 0.0)
+    return tl.where(valid, p, 0.0), tl.where(valid & need_q, q, 0.0)
+
+
 # Round sizes and strides change every step: never specialise on their values (e.g. == 1 or
 # divisibility by 16), so a new round reuses the compiled kernel.
 @triton.jit(do_not_specialize=["G", "V", "stride_tb", "stride_tg", "stride_db", "stride_dg"])
@@ -184,37 +198,26 @@ def _verify_kernel(
 
     # The residual norm(max(0, p - q)) after a rejection (falling back to p if rounding emptied
     # it), else p itself; then the first index whose cumulative mass exceeds u * total.
+    q_ptr = draft_ptr + b * stride_db + n * stride_dg
     residual_total = 0.0
     p_total = 0.0
     for start in range(0, V, BLOCK):
         idx = start + offs
-        valid = idx < V
-        p = _prob(tl.load(p_row + idx, mask=valid, other=-float("inf")).to(tl.float32), idx, greedy,
-                  pm, pa, t, pk, pz1, pf, pz2)
-        if HAS_DRAFT:
-            q = _prob(tl.load(draft_ptr + b * stride_db + n * stride_dg + idx, mask=valid & rejected,
-                              other=-float("inf")).to(tl.float32), idx, greedy, qm, qa, t, qk, qz1, qf, qz2)
-        else:
-            q = tl.where(idx == x_tok, 1.0, 0.0)
-        p_total += tl.sum(tl.where(valid, p, 0.0), 0)
-        residual_total += tl.sum(tl.where(valid & rejected, tl.maximum(p - q, 0.0), 0.0), 0)
+        p, q = _final_pq(p_row, q_ptr, idx, idx < V, rejected, x_tok, greedy, t, pm, pa, pk, pz1, pf, pz2,
+                         qm, qa, qk, qz1, qf, qz2, HAS_DRAFT)
+        p_total += tl.sum(p, 0)
+        residual_total += tl.sum(tl.where(rejected, tl.maximum(p - q, 0.0), 0.0), 0)
     use_residual = rejected & (residual_total > 0.0)
-    total = tl.where(use_residual, residual_total, p_total)
-    threshold = u * total
+    threshold = u * tl.where(use_residual, residual_total, p_total)
     running = 0.0
     chosen = V
     last_positive = 0
     for start in range(0, V, BLOCK):
         idx = start + offs
         valid = idx < V
-        p = _prob(tl.load(p_row + idx, mask=valid, other=-float("inf")).to(tl.float32), idx, greedy,
-                  pm, pa, t, pk, pz1, pf, pz2)
-        if HAS_DRAFT:
-            q = _prob(tl.load(draft_ptr + b * stride_db + n * stride_dg + idx, mask=valid & use_residual,
-                              other=-float("inf")).to(tl.float32), idx, greedy, qm, qa, t, qk, qz1, qf, qz2)
-        else:
-            q = tl.where(idx == x_tok, 1.0, 0.0)
-        mass = tl.where(valid, tl.where(use_residual, tl.maximum(p - q, 0.0), p), 0.0)
+        p, q = _final_pq(p_row, q_ptr, idx, valid, use_residual, x_tok, greedy, t, pm, pa, pk, pz1, pf, pz2,
+                         qm, qa, qk, qz1, qf, qz2, HAS_DRAFT)
+        mass = tl.where(use_residual, tl.maximum(p - q, 0.0), p)
         cdf = running + tl.cumsum(mass, 0)
         crossing = tl.min(tl.where((cdf > threshold) & valid, idx, V), 0)
         chosen = tl.minimum(chosen, crossing)

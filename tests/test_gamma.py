@@ -83,8 +83,12 @@ def test_auto_gamma_measures_costs_when_none_are_given():
     target = tiny_model(32, seed=0)
     engine = Engine(target, drafter=ModelDrafter(tiny_model(32, seed=1, num_layers=1), 32, 32), gamma="auto",
                     max_gamma=3)
-    costs = engine.gamma_controller.costs
-    assert costs.max_gamma == 3 and costs.draft_step_s > 0 and all(t > 0 for t in costs.verify_s)
+    controller = engine.gamma_controller
+    assert sorted(controller.costs_by_batch) == [1, 8] and controller.max_gamma == 3
+    for costs in controller.costs_by_batch.values():
+        assert costs.draft_step_s > 0 and all(t > 0 for t in costs.verify_s)
+    assert controller.costs_for(5) is controller.costs_by_batch[1]
+    assert controller.costs_for(64) is controller.costs_by_batch[8]
 
 
 def test_invalid_gamma():

@@ -34,7 +34,8 @@ Prompt = str | Sequence[int]
 class Engine:
     def __init__(self, target: LlamaForCausalLM, tokenizer=None, drafter: Drafter | None = None,
                  gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 verify_impl: str = "auto", max_gamma: int = 8, costs: CostModel | None = None):
+                 verify_impl: str = "auto", max_gamma: int = 8,
+                 costs: CostModel | dict[int, CostModel] | None = None):
         """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma) from
         costs measured now (or given as `costs`) and each request's running acceptance rate.
         verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch)."""
@@ -45,10 +46,12 @@ class Engine:
             if not isinstance(max_gamma, int) or not 1 <= max_gamma <= 64:
                 raise ValueError(f"max_gamma must be an integer in [1, 64], got {max_gamma!r}")
             draft_model = getattr(drafter, "model", None)
-            costs = costs or measure_costs(target, draft_model, max_gamma)
-            if costs.max_gamma != max_gamma:
-                raise ValueError(f"costs cover gamma up to {costs.max_gamma}, not max_gamma={max_gamma}")
+            # Verification costs grow with the batch on a CPU: measure a single row and a batch of 8.
+            costs = costs or {b: measure_costs(target, draft_model, max_gamma, batch_size=b) for b in (1, 8)}
             self.gamma_controller = GammaController(costs)
+            if self.gamma_controller.max_gamma != max_gamma:
+                raise ValueError(f"costs cover gamma up to {self.gamma_controller.max_gamma}, "
+                                 f"not max_gamma={max_gamma}")
             gamma = max_gamma
         elif drafter is not None and (not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= 64):
             raise ValueError(f"gamma must be an integer in [1, 64] or 'auto' when drafting, got {gamma!r}")
@@ -199,7 +202,7 @@ class Engine:
 
         while active:
             sequences = [r.tokens for r in active]
-            budgets = [min(self._round_gamma(r), r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
+            budgets = [min(self._round_gamma(r, len(active)), r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
                        for r, s in zip(active, sequences)]
             proposal = self._propose(sequences, budgets, sampling, device)
             # Verification also advances both caches' lengths: that is the whole rollback.
@@ -226,8 +229,10 @@ class Engine:
                         self.drafter.keep_rows(keep)
         self.last_run_stats = DecodeStats.combine([r.stats for r in requests], time.perf_counter() - t0)
 
-    def _round_gamma(self, r: Request) -> int:
-        return self.gamma if self.gamma_controller is None else self.gamma_controller.choose(r.acceptance)
+    def _round_gamma(self, r: Request, batch_size: int) -> int:
+        if self.gamma_controller is None:
+            return self.gamma
+        return self.gamma_controller.choose(r.acceptance, batch_size)
 
     def _propose(self, sequences, budgets, sampling, device) -> Proposal:
         if self.drafter is None or max(budgets) == 0:

@@ -68,15 +68,26 @@ class AcceptanceEstimate:
 
 
 class GammaController:
-    """Per-row gamma for each round from a CostModel and per-request AcceptanceEstimates."""
+    """Per-row gamma for each round from CostModels (by batch size) and per-request AcceptanceEstimates."""
 
     PROBE_EVERY = 16  # rounds at gamma 0 before drafting one token again to re-measure alpha
 
-    def __init__(self, costs: CostModel):
-        self.costs = costs
+    def __init__(self, costs: CostModel | dict[int, CostModel]):
+        self.costs_by_batch = costs if isinstance(costs, dict) else {1: costs}
+        if not self.costs_by_batch or len({c.max_gamma for c in self.costs_by_batch.values()}) != 1:
+            raise ValueError("cost models must cover the same gammas")
 
-    def choose(self, estimate: AcceptanceEstimate) -> int:
-        gamma = self.costs.best_gamma(estimate.alpha)
+    @property
+    def max_gamma(self) -> int:
+        return next(iter(self.costs_by_batch.values())).max_gamma
+
+    def costs_for(self, batch_size: int) -> CostModel:
+        """The model measured at the largest batch size not above this one (else the smallest)."""
+        fitting = [b for b in self.costs_by_batch if b <= batch_size]
+        return self.costs_by_batch[max(fitting) if fitting else min(self.costs_by_batch)]
+
+    def choose(self, estimate: AcceptanceEstimate, batch_size: int = 1) -> int:
+        gamma = self.costs_for(batch_size).best_gamma(estimate.alpha)
         if gamma == 0:
             estimate.rounds_without_drafts += 1
             if estimate.rounds_without_drafts >= self.PROBE_EVERY:
@@ -99,7 +110,8 @@ def _median_seconds(fn, reps: int) -> float:
 
 @torch.inference_mode()
 def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: int = 64, reps: int = 5) -> CostModel:
-    """Time the target on 1..max_gamma+1 tokens and one draft step, at `context` cached tokens."""
+    """Time the target on 1..max_gamma+1 tokens and one draft step for `batch_size` rows at `context`
+    cached tokens (a draft of None costs nothing)."""
     def step_time(model, tokens: int) -> float:
         cache = model.new_cache(batch_size, context + tokens)
         cache.lengths.fill_(context)
