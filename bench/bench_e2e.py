@@ -28,7 +28,7 @@ from tqdm import tqdm
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.drafters.ngram import NgramDrafter
-from specengine.engine.gamma import measure_costs, predicted_speedup
+from specengine.engine.gamma import expected_ops_ratio, measure_costs, predicted_speedup
 from specengine.shipped import shipped_pair
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -206,8 +206,8 @@ def main():
                    measured_speedup=round(rate(cfg) / base, 3) if cfg.kind == "spec" else "",
                    predicted_speedup=round(predicted_speedup(alpha, g, c), 3)
                    if cfg.drafter == "model" and g and alpha is not None else "",
-                   ops_ratio=round((1 - alpha) * (g * draft_params / target_params + g + 1) / (1 - alpha ** (g + 1)), 3)
-                   if cfg.drafter == "model" and g and alpha is not None and alpha < 1 else "")
+                   ops_ratio=round(expected_ops_ratio(alpha, g, draft_params / target_params), 3)
+                   if cfg.drafter == "model" and g and alpha is not None else "")
         rows.append(row)
     # Greedy outputs of every specengine configuration must equal Hugging Face's greedy outputs.
     for B in (1, 8):

@@ -3,7 +3,8 @@ import pytest
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
-from specengine.engine.gamma import AcceptanceEstimate, CostModel, GammaController, expected_tokens, predicted_speedup
+from specengine.engine.gamma import (AcceptanceEstimate, CostModel, GammaController, expected_ops_ratio,
+                                     expected_tokens, predicted_speedup)
 
 from engine_util import tiny_model
 
@@ -15,6 +16,9 @@ def test_expected_tokens_and_theorem_3_8():
     # Paper Table 2 style check: alpha 0.75, gamma 7, c 0 gives (1 - 0.75^8) / 0.25.
     assert predicted_speedup(0.75, 7, 0.0) == pytest.approx((1 - 0.75 ** 8) / 0.25)
     assert predicted_speedup(0.0, 3, 0.1) == pytest.approx(1 / 1.3)
+    # Paper Table 1: alpha 0.9, gamma 10, c = c_hat = 0 gives speed 6.86x at 1.60x the arithmetic.
+    assert predicted_speedup(0.9, 10, 0.0) == pytest.approx(6.86, abs=0.005)
+    assert expected_ops_ratio(0.9, 10, 0.0) == pytest.approx(1.60, abs=0.005)
 
 
 def brute_force_best(costs: CostModel, alpha: float) -> int:

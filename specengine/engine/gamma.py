@@ -29,6 +29,12 @@ def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
     return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
 
 
+def expected_ops_ratio(alpha: float, gamma: int, c_hat: float) -> float:
+    """Paper Table 1 "ops": total arithmetic relative to target-only decoding, where c_hat is the
+    draft's arithmetic per token relative to the target's (about their parameter ratio)."""
+    return (gamma * c_hat + gamma + 1.0) / expected_tokens(alpha, gamma)
+
+
 @dataclass(frozen=True)
 class CostModel:
     draft_step_s: float            # one draft-model step (0 for free drafters such as n-gram)
