@@ -227,6 +227,12 @@ def main():
         print(f"{row['config']:38s} {row['tokens_per_s']:8.1f} tok/s  vs HF {row['vs_hf']:6.2f}x  "
               f"alpha {row['alpha']!s:6s} speedup {row['measured_speedup']!s:6s} predicted {row['predicted_speedup']!s:6s}"
               f" greedy==HF {row.get('greedy_equals_hf', '')}")
+    print("\nPaper Table 3 view: alpha per (draft, temperature), batch 1, gamma 4")
+    for drafter in ("model", "ngram"):
+        for T in (0.0, 1.0):
+            row = next(r for r in rows if r["drafter"] == drafter and r["gamma"] == 4 and r["batch"] == 1
+                       and r["temperature"] == T)
+            print(f"  {'pycode-draft' if drafter == 'model' else 'n-gram (prompt lookup)':24s} T={T:g}: alpha {row['alpha']}")
     plot(rows, configs, gammas, RESULTS / f"e2e-{date}.png")
     print(f"wrote {out}")
 
