@@ -210,3 +210,22 @@ def test_cli_reports_bad_input_cleanly(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert cli_main(["generate", "--target", str(tmp_path), "--prompt", "x", "--top-p", "0"]) == 2
     assert "top_p must be in" in capsys.readouterr().err
+
+
+def test_nvtx_ranges_bracket_each_phase(monkeypatch):
+    """With nvtx=True every round pushes and pops draft, verify and accept ranges (recorded here
+    in place of CUDA's NVTX); with nvtx=False nothing is marked."""
+    from specengine.drafters.model import ModelDrafter
+
+    marks = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: marks.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: marks.append(("pop",)))
+    target = tiny_model(32, seed=0)
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    Engine(target, drafter=ModelDrafter(target, 32, 32), gamma=2).generate([[1, 2]], params)
+    assert marks == []
+    (r,) = Engine(target, drafter=ModelDrafter(target, 32, 32), gamma=2, nvtx=True).generate([[1, 2]], params)
+    pushes = [m[1] for m in marks if m[0] == "push"]
+    assert pushes == ["draft", "verify", "accept"] * r.stats.rounds
+    assert len([m for m in marks if m[0] == "pop"]) == len(pushes)

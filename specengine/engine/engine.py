@@ -23,6 +23,7 @@ from ..sampling.batch import SamplingBatch, check_logits
 from ..ops.verify import IMPLEMENTATIONS, verify
 from ..sampling.params import SamplingParams
 from .gamma import CostModel, GammaController, measure_costs
+from .nvtx import nvtx_range
 from .request import DecodeStats, Request, Result
 from .runner import feed
 
@@ -35,10 +36,11 @@ class Engine:
     def __init__(self, target: LlamaForCausalLM, tokenizer=None, drafter: Drafter | None = None,
                  gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
                  verify_impl: str = "auto", max_gamma: int = 8,
-                 costs: CostModel | dict[int, CostModel] | None = None):
+                 costs: CostModel | dict[int, CostModel] | None = None, nvtx: bool = False):
         """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma) from
         costs measured now (or given as `costs`) and each request's running acceptance rate.
-        verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch)."""
+        verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch).
+        nvtx: mark the draft, verify (target forward) and accept phases for Nsight Systems."""
         if verify_impl not in IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {verify_impl!r}")
         self.gamma_controller: GammaController | None = None
@@ -69,12 +71,14 @@ class Engine:
                 eos_token_ids = (tokenizer.eos_token_id,)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.verify_impl = verify_impl
+        self.nvtx = nvtx
         self.last_run_stats: DecodeStats | None = None
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
                         gamma: int | str = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                        max_seq_len: int | None = None, verify_impl: str = "auto", max_gamma: int = 8) -> "Engine":
+                        max_seq_len: int | None = None, verify_impl: str = "auto", max_gamma: int = 8,
+                        nvtx: bool = False) -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders.
 
         drafter "model" uses the draft folder (none given: target-only decoding); "ngram"
@@ -100,7 +104,8 @@ class Engine:
             draft_model = load_model(draft, device, dtype)
             check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
             chosen = ModelDrafter(draft_model, target_model.config.vocab_size, len(tokenizer))
-        return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl, max_gamma=max_gamma)
+        return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl, max_gamma=max_gamma,
+                   nvtx=nvtx)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -202,9 +207,10 @@ class Engine:
 
         while active:
             sequences = [r.tokens for r in active]
-            budgets = [min(self._round_gamma(r, len(active)), r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
-                       for r, s in zip(active, sequences)]
-            proposal = self._propose(sequences, budgets, sampling, device)
+            budgets = [min(self._round_gamma(r, len(active)), r.params.max_new_tokens - len(r.generated) - 1,
+                           capacity - len(s) - 1) for r, s in zip(active, sequences)]
+            with nvtx_range("draft", self.nvtx):
+                proposal = self._propose(sequences, budgets, sampling, device)
             # Verification also advances both caches' lengths: that is the whole rollback.
             emitted, num_emitted = self._verify_round(cache, sequences, proposal, sampling)
 
@@ -246,16 +252,18 @@ class Engine:
         inputs = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, G+1]
         G1 = inputs.shape[1]
         lengths = [len(s) for s in sequences]
-        hidden = self.target(inputs, cache.lengths.clone(), cache, kv_len=max(lengths) - 1 + G1)
-        logits = self.target.logits(hidden)  # [B, G+1, V]
+        with nvtx_range("verify", self.nvtx):
+            hidden = self.target(inputs, cache.lengths.clone(), cache, kv_len=max(lengths) - 1 + G1)
+            logits = self.target.logits(hidden)  # [B, G+1, V]
         check_logits("target", logits)
         # Token i of this round lands at absolute position len(sequence) + i: its uniforms' key.
         draft_lengths = self.drafter.cache_lengths if self.drafter is not None else None
-        return verify(
-            logits, proposal.logits, proposal.tokens, proposal.num_drafts, sampling.temperature, sampling.top_k,
-            sampling.top_p, sampling.min_p, sampling.seeds, torch.tensor(lengths, device=device),
-            target_lengths=cache.lengths, draft_lengths=draft_lengths, impl=self.verify_impl,
-        )
+        with nvtx_range("accept", self.nvtx):
+            return verify(
+                logits, proposal.logits, proposal.tokens, proposal.num_drafts, sampling.temperature, sampling.top_k,
+                sampling.top_p, sampling.min_p, sampling.seeds, torch.tensor(lengths, device=device),
+                target_lengths=cache.lengths, draft_lengths=draft_lengths, impl=self.verify_impl,
+            )
 
     @staticmethod
     def _account(r: Request, accepted: int, drafted: int, draft_calls: int):
