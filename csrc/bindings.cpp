@@ -62,8 +62,9 @@ void verify_py(uintptr_t target_logits, uintptr_t draft_logits, int dtype, int64
                int64_t draft_stride_g, uintptr_t draft_tokens, uintptr_t num_drafts, uintptr_t temperature,
                uintptr_t top_k, uintptr_t top_p, uintptr_t min_p, uintptr_t seeds, uintptr_t positions,
                uintptr_t u_accept, uintptr_t u_sample, uintptr_t emitted, uintptr_t num_emitted,
-               uintptr_t target_lengths, uintptr_t draft_lengths) {
+               uintptr_t target_lengths, uintptr_t draft_lengths, int planted_bug) {
   if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype code must be 0, 1 or 2");
+  if (planted_bug < 0 || planted_bug > 3) throw std::invalid_argument("planted_bug must be 0..3");
   specengine::VerifyArgs args{
       ptr<const void>(target_logits), ptr<const void>(draft_logits),
       static_cast<specengine::LogitDtype>(dtype), B, G, V, target_stride_b, target_stride_g,
@@ -71,7 +72,8 @@ void verify_py(uintptr_t target_logits, uintptr_t draft_logits, int dtype, int64
       ptr<const float>(temperature), ptr<const int64_t>(top_k), ptr<const float>(top_p),
       ptr<const float>(min_p), ptr<const int64_t>(seeds), ptr<const int64_t>(positions),
       ptr<const float>(u_accept), ptr<const float>(u_sample), ptr<int64_t>(emitted),
-      ptr<int64_t>(num_emitted), ptr<int64_t>(target_lengths), ptr<int64_t>(draft_lengths)};
+      ptr<int64_t>(num_emitted), ptr<int64_t>(target_lengths), ptr<int64_t>(draft_lengths),
+      static_cast<specengine::PlantedBug>(planted_bug)};
   py::gil_scoped_release release;
   specengine::verify_cpu(args);
 }
@@ -84,7 +86,13 @@ PYBIND11_MODULE(_C, m) {
         py::arg("max_drafts"),
         "Tokens that followed the most recent earlier occurrence of the longest re-occurring "
         "suffix n-gram (min_n <= n <= max_n), at most max_drafts of them.");
-  m.def("verify", &verify_py, "Fused verify step on CPU tensors (use specengine.ops.verify).");
+  m.def("verify", &verify_py, "Fused verify step on CPU tensors (use specengine.ops.verify).",
+        py::arg("target_logits"), py::arg("draft_logits"), py::arg("dtype"), py::arg("B"), py::arg("G"),
+        py::arg("V"), py::arg("target_stride_b"), py::arg("target_stride_g"), py::arg("draft_stride_b"),
+        py::arg("draft_stride_g"), py::arg("draft_tokens"), py::arg("num_drafts"), py::arg("temperature"),
+        py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("seeds"), py::arg("positions"),
+        py::arg("u_accept"), py::arg("u_sample"), py::arg("emitted"), py::arg("num_emitted"),
+        py::arg("target_lengths"), py::arg("draft_lengths"), py::arg("planted_bug") = 0);
   m.def("philox_uniforms", &philox_uniforms_py, py::arg("seeds"), py::arg("positions"),
         py::arg("stream"),
         "Uniforms [B, K] in [0, 1) keyed by (seeds[b], positions[b, k], stream), Philox4x32-10.");

@@ -119,7 +119,7 @@ void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int
 // Inverse-CDF sample of an unnormalised distribution given by mass(v) (as sample_from_probs):
 // the first index whose cumulative mass exceeds u * total, never a zero-mass index.
 template <typename Mass>
-int64_t sample(int64_t V, float u, Mass mass) {
+int64_t sample(int64_t V, float u, Mass mass, bool renormalise = true) {
   double total = 0.0;
   int64_t last_positive = 0;
   for (int64_t v = 0; v < V; ++v) {
@@ -127,7 +127,7 @@ int64_t sample(int64_t V, float u, Mass mass) {
     total += m;
     if (m > 0.f) last_positive = v;
   }
-  const float threshold = u * static_cast<float>(total);
+  const float threshold = renormalise ? u * static_cast<float>(total) : u;
   double cdf = 0.0;
   for (int64_t v = 0; v < V; ++v) {
     cdf += mass(v);
@@ -166,15 +166,18 @@ void verify_row(const VerifyArgs& a, int64_t b, Warp& p, Warp& q, std::vector<fl
     if (!(uniform(a.u_accept, n, kStreamAccept) * q_x < p.prob(x))) break;
     a.emitted[b * G1 + n] = x;
   }
-  const float u = uniform(a.u_sample, n, kStreamSample);
+  float u = uniform(a.u_sample, n, kStreamSample);
   int64_t token;
   if (n < drafts) {  // rejected: p and q of position n are warped already
     const int64_t x = tokens[n];
+    if (a.planted_bug == PlantedBug::kReusedUniform) u = uniform(a.u_accept, n, kStreamAccept);
+    if (a.planted_bug == PlantedBug::kWrongRow) warp_target(n + 1);
     auto q_prob = [&](int64_t v) { return a.draft_logits ? q.prob(v) : (v == x ? 1.f : 0.f); };
     auto residual = [&](int64_t v) { return std::max(0.f, p.prob(v) - q_prob(v)); };
     double mass = 0.0;
     for (int64_t v = 0; v < V; ++v) mass += residual(v);
-    token = mass > 0.0 ? sample(V, u, residual) : sample(V, u, [&](int64_t v) { return p.prob(v); });
+    token = mass > 0.0 ? sample(V, u, residual, a.planted_bug != PlantedBug::kNoRenormalisation)
+                       : sample(V, u, [&](int64_t v) { return p.prob(v); });
   } else {
     warp_target(n);
     token = sample(V, u, [&](int64_t v) { return p.prob(v); });

@@ -189,3 +189,21 @@ def test_triton_does_not_recompile_for_new_round_sizes():
     # One specialisation per (dtype, flags, BLOCK), not per G or V.
     cache = _verify_kernel.device_caches[torch.cuda.current_device()][0]
     assert len(cache) <= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, N", [(1, 60_000), (2, 5000), (3, 5000)],
+                         ids=["reused-uniform", "residual-from-wrong-row", "no-renormalisation"])
+def test_statistical_test_catches_planted_bugs_in_the_cpp_kernel(bug, N):
+    """The very distribution test above, on the C++ kernel with a deliberate mistake compiled in
+    (PlantedBug in csrc/verify.h): it must reject each, while the correct kernel passes."""
+    from specengine.ops.verify import _verify_cpp
+
+    case, p = fixed_position_case(N, WARPS["T=1"], seed=1)
+    case.target_logits[:, 1] = torch.randn(12, generator=torch.Generator().manual_seed(5)) * 1.5
+    args = (case.target_logits, case.draft_logits.contiguous(), case.draft_tokens, case.num_drafts, case.temperature,
+            case.top_k, case.top_p, case.min_p, torch.arange(N), torch.full((N,), 17), None, None, None, None)
+    correct, _ = _verify_cpp(*args)
+    broken, _ = _verify_cpp(*args, planted_bug=bug)
+    assert chi_square_pvalue(torch.bincount(correct[:, 0], minlength=12), p) > 1e-3
+    assert chi_square_pvalue(torch.bincount(broken[:, 0], minlength=12), p) < 1e-6

@@ -99,7 +99,8 @@ def verify(
 
 
 def _verify_cpp(target_logits, draft_logits, draft_tokens, num_drafts, temperature, top_k, top_p, min_p, seeds,
-                positions, u_accept, u_sample, target_lengths, draft_lengths):
+                positions, u_accept, u_sample, target_lengths, draft_lengths, planted_bug: int = 0):
+    """planted_bug (tests only) selects a deliberate mistake, see PlantedBug in csrc/verify.h."""
     from .. import _C
 
     B, G1, V = target_logits.shape
@@ -111,5 +112,5 @@ def _verify_cpp(target_logits, draft_logits, draft_tokens, num_drafts, temperatu
               target_logits.stride(0), target_logits.stride(1), *d_stride, address(draft_tokens),
               address(num_drafts), address(temperature), address(top_k), address(top_p), address(min_p),
               address(seeds), address(positions), address(u_accept), address(u_sample), address(emitted),
-              address(counts), address(target_lengths), address(draft_lengths))
+              address(counts), address(target_lengths), address(draft_lengths), planted_bug)
     return emitted, counts
