@@ -19,8 +19,8 @@ import torch
 
 from ..drafters.base import Drafter, Proposal
 from ..models.llama import LlamaForCausalLM
-from ..sampling.batch import SamplingBatch, check_logits
 from ..ops.verify import IMPLEMENTATIONS, verify
+from ..sampling.batch import SamplingBatch, check_logits
 from ..sampling.params import SamplingParams
 from .gamma import CostModel, GammaController, measure_costs
 from .nvtx import nvtx_range
@@ -33,6 +33,8 @@ Prompt = str | Sequence[int]
 
 
 class Engine:
+    """Generates with a target model, optionally speculating with a drafter; lossless either way."""
+
     def __init__(self, target: LlamaForCausalLM, tokenizer=None, drafter: Drafter | None = None,
                  gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
                  verify_impl: str = "auto", max_gamma: int = 8,
