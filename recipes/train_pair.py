@@ -53,20 +53,16 @@ def read(path: Path) -> str:
 
 
 def stage_tokenizer(work: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from specengine.tiny import EOS_TOKEN, train_tokenizer
+
+    assert EOS_TOKEN == EOS
     out = work / "tokenizer"
     if (out / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(out)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=[EOS], show_progress=True,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     train = [p for p in stdlib_files() if not is_held_out(p)]
-    tok.train_from_iterator((read(p) for p in train), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, model_max_length=1024)
+    fast = train_tokenizer(8192, (read(p) for p in train), model_max_length=1024, show_progress=True)
     fast.save_pretrained(out)
     return fast
 

@@ -7,6 +7,7 @@ whoever shows their output must say so.
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -34,8 +35,10 @@ def stdlib_text(max_chars: int = 200_000) -> str:
     return "\n".join(parts)[:max_chars]
 
 
-def train_tokenizer(vocab_size: int = 512, text: str | None = None):
-    """A byte-level BPE tokenizer (transformers PreTrainedTokenizerFast) with an end-of-text token."""
+def train_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None, model_max_length: int | None = None,
+                    show_progress: bool = False):
+    """A byte-level BPE tokenizer (transformers PreTrainedTokenizerFast) with an end-of-text token,
+    trained on `texts` (default: a slice of the standard library). The shipped pair's recipe uses it too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,10 +47,11 @@ def train_tokenizer(vocab_size: int = 512, text: str | None = None):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress,
     )
-    tok.train_from_iterator([text if text is not None else stdlib_text()], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN)
+    tok.train_from_iterator(texts if texts is not None else [stdlib_text()], trainer=trainer)
+    extra = {} if model_max_length is None else {"model_max_length": model_max_length}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, **extra)
 
 
 def make_config(architecture: str = "LlamaForCausalLM", vocab_size: int = 512, hidden_size: int = 64,
