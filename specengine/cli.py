@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
-    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                     help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
+    gen.add_argument("--weight-dtype", choices=("float32", "bfloat16", "float16"),
+                     help="storage of the weight matrices (default: bfloat16 for a bfloat16 checkpoint "
+                          "computing in float32 on CPU, else the compute dtype)")
     gen.add_argument("--nvtx", action="store_true", help="NVTX ranges (draft, verify, accept) for Nsight Systems")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     return parser
@@ -61,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             if draft is None and args.drafter == "model":
                 draft = pair[1]
         engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
-                                        device=args.device, dtype=args.dtype, nvtx=args.nvtx)
+                                        device=args.device, dtype=args.dtype, nvtx=args.nvtx,
+                                        weight_dtype=args.weight_dtype)
         if args.json:
             (result,) = engine.generate([args.prompt], params)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids,

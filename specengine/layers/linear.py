@@ -2,19 +2,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.linear import linear_bf16_weight_cpp
+
 
 class Linear(nn.Linear):
-    """nn.Linear with a CPU fast path for the few-row products of decoding.
+    """nn.Linear with two CPU fast paths for the few-row products of decoding.
 
-    For 2..32 rows (a verification of gamma + 1 tokens, a small batch), oneDNN/MKL's x @ W^T
-    was measured 2-4x slower than W @ x^T on an AVX2 CPU (e.g. 512 -> 8192 at 5 rows:
-    7.4 ms vs 2.0 ms), which made verifying k tokens cost k times one token. Same weights,
-    same state-dict names; results agree to float rounding.
+    - bfloat16 weights with float32 inputs (how the loader keeps a bfloat16 checkpoint on a
+      CPU): the C++ op widens the weights on the fly, reading half the bytes of a float32 copy.
+    - float32 weights, 2..32 rows (a verification of gamma + 1 tokens, a small batch):
+      oneDNN/MKL's x @ W^T was measured 2-4x slower than W @ x^T on an AVX2 CPU (e.g.
+      512 -> 8192 at 5 rows: 7.4 ms vs 2.0 ms), which made verifying k tokens cost k times
+      one token.
+    Same weights, same state-dict names; results agree to float rounding.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        if self.weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+            return linear_bf16_weight_cpp(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
-        if x.device.type != "cpu" or not 1 < rows <= 32:
+        if not 1 < rows <= 32:
             return F.linear(x, self.weight, self.bias)
         out = (self.weight @ x.reshape(rows, -1).t()).t().contiguous()
         if self.bias is not None:

@@ -99,7 +99,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The compute dtype: activations, KV cache and norms. Matrices may be stored narrower
+        (bfloat16 weights with float32 compute on a CPU, see models.loader)."""
+        return self.model.norm.weight.dtype
 
     def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         c = self.config
@@ -128,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         if self._inv_freq.device != tokens.device:
             self._inv_freq = self._inv_freq.to(tokens.device)
         cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)
-        x = self.model.embed_tokens(tokens)
+        x = self.model.embed_tokens(tokens).to(self.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, positions, mask, cache, kv_len)
         return self.model.norm(x)

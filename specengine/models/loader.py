@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
@@ -36,6 +37,25 @@ def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: tor
     return DTYPES[dtype]
 
 
+def resolve_weight_dtype(weight_dtype: str | torch.dtype | None, compute_dtype: torch.dtype, cfg: ModelConfig,
+                        device: torch.device) -> torch.dtype:
+    """The storage dtype of the matrices (linear layers, embeddings).
+
+    None: bfloat16 when a bfloat16 checkpoint computes in float32 on a CPU: a decode step
+    streams every weight, and bfloat16 halves the bytes while holding the checkpoint's exact
+    values (widening to float32 is exact). Otherwise the compute dtype.
+    """
+    if weight_dtype is None:
+        keep_bf16 = device.type == "cpu" and compute_dtype == torch.float32 and cfg.dtype == "bfloat16"
+        return torch.bfloat16 if keep_bf16 else compute_dtype
+    resolved = resolve_dtype(weight_dtype, cfg, device)
+    if resolved != compute_dtype and not (device.type == "cpu" and resolved == torch.bfloat16
+                                          and compute_dtype == torch.float32):
+        raise ValueError(f"weight_dtype {resolved} with compute dtype {compute_dtype} on {device} is not supported: "
+                         "weights narrower than the compute dtype means bfloat16 weights, float32 compute, CPU")
+    return resolved
+
+
 def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a checkpoint: model.safetensors or the shards of its index."""
     single = folder / "model.safetensors"
@@ -56,19 +76,25 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}{hint}")
 
 
-def load_model(folder: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
+def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+               weight_dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
+    """dtype: the compute dtype (None: float32 on CPU, the checkpoint's on GPU).
+    weight_dtype: the matrices' storage dtype (None: see resolve_weight_dtype)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     cfg = ModelConfig.from_folder(folder)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
+    matrix_dtype = resolve_weight_dtype(weight_dtype, torch_dtype, cfg, device)
     files = weight_files(folder)
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(torch_dtype)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.data = module.weight.data.to(matrix_dtype)
     if cfg.tie_word_embeddings:  # to_empty allocates each module's parameters apart: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
 

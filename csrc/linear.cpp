@@ -1,0 +1,175 @@
+// Few-row matrix products with bfloat16 weights (see linear.h).
+//
+// Work is split over output columns: each thread owns a slice of the weight matrix and
+// streams it once, computing every row of x against a few weight rows at a time while
+// those rows sit in L1. x (at most a few rows of a few KB) stays in L2 for the whole call.
+// On the 2-core AVX2 machine this was written on, one row is bound by memory bandwidth and
+// five or more rows by the FMA units (about 23 GFLOP/s per core, measured by a bare FMA loop
+// at 19.5).
+#include "linear.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace specengine {
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &widened, sizeof f);
+  return f;
+}
+
+// Portable path (any CPU): the same loop order, left to the compiler to vectorise.
+void columns_generic(const float* x, const uint16_t* w, const float* bias, float* out, int64_t R, int64_t K,
+                     int64_t N, int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint16_t* wn = w + n * K;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* xr = x + r * K;
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += xr[k] * bf16_to_float(wn[k]);
+      out[r * N + n] = acc + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define SPECENGINE_AVX2 __attribute__((target("avx2,fma")))
+
+SPECENGINE_AVX2 inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Sixteen bfloat16 weights are one 256-bit load. Each 32-bit lane holds an even-indexed
+// weight in its low half and the next odd one in its high half, so a shift and a mask give
+// both as float32 without a shuffle. x is stored de-interleaved to match (see
+// deinterleave_x): per block of 16, its 8 even-indexed then its 8 odd-indexed entries.
+//
+// ROWS rows of x against COLS weight rows: ROWS * COLS independent accumulators.
+template <int ROWS, int COLS>
+SPECENGINE_AVX2 void tile(const float* x, const float* x_split, int64_t K16, const uint16_t* w, const float* bias,
+                          float* out, int64_t K, int64_t N, int64_t r0, int64_t n0) {
+  __m256 acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // The next tile's weight rows, fetched while this tile computes: a single sequential
+  // stream per core leaves most of the DRAM bandwidth unused.
+  const uint16_t* next = w + (n0 + COLS) * K;
+  const bool prefetch = n0 + 2 * COLS <= N;
+  for (int64_t k = 0; k < K16; k += 16) {
+    if (prefetch && (k & 31) == 0)
+      for (int j = 0; j < COLS; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
+    __m256 w_even[COLS], w_odd[COLS];
+    for (int j = 0; j < COLS; ++j) {
+      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n0 + j) * K + k));
+      w_even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      w_odd[j] = _mm256_castsi256_ps(_mm256_and_si256(raw, high_half));
+    }
+    for (int i = 0; i < ROWS; ++i) {
+      __m256 x_even = _mm256_loadu_ps(x_split + (r0 + i) * K16 + k);
+      __m256 x_odd = _mm256_loadu_ps(x_split + (r0 + i) * K16 + k + 8);
+      for (int j = 0; j < COLS; ++j) {
+        acc[i][j] = _mm256_fmadd_ps(x_even, w_even[j], acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(x_odd, w_odd[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    for (int j = 0; j < COLS; ++j) {
+      float sum = horizontal_sum(acc[i][j]);
+      for (int64_t k = K16; k < K; ++k) sum += x[(r0 + i) * K + k] * bf16_to_float(w[(n0 + j) * K + k]);
+      out[(r0 + i) * N + n0 + j] = sum + (bias ? bias[n0 + j] : 0.f);
+    }
+  }
+}
+
+template <int COLS>
+SPECENGINE_AVX2 void column_group(const float* x, const float* x_split, int64_t K16, const uint16_t* w,
+                                  const float* bias, float* out, int64_t R, int64_t K, int64_t N, int64_t n0) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) tile<4, COLS>(x, x_split, K16, w, bias, out, K, N, r, n0);
+  switch (R - r) {
+    case 3: tile<3, COLS>(x, x_split, K16, w, bias, out, K, N, r, n0); break;
+    case 2: tile<2, COLS>(x, x_split, K16, w, bias, out, K, N, r, n0); break;
+    case 1: tile<1, COLS>(x, x_split, K16, w, bias, out, K, N, r, n0); break;
+    default: break;
+  }
+}
+
+SPECENGINE_AVX2 void columns_avx2(const float* x, const float* x_split, const uint16_t* w, const float* bias,
+                                  float* out, int64_t R, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  const int64_t K16 = K & ~int64_t{15};
+  int64_t n = n_begin;
+  if (R == 1)  // more weight rows in flight where x has no rows to reuse them on
+    for (; n + 4 <= n_end; n += 4) column_group<4>(x, x_split, K16, w, bias, out, R, K, N, n);
+  for (; n + 2 <= n_end; n += 2) column_group<2>(x, x_split, K16, w, bias, out, R, K, N, n);
+  if (n < n_end) column_group<1>(x, x_split, K16, w, bias, out, R, K, N, n);
+}
+
+// x [R, K] -> [R, K16]: per block of 16, the 8 even-indexed entries, then the 8 odd ones.
+std::vector<float> deinterleave_x(const float* x, int64_t R, int64_t K) {
+  const int64_t K16 = K & ~int64_t{15};
+  std::vector<float> split(static_cast<size_t>(R * K16));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K16; k += 16)
+      for (int i = 0; i < 8; ++i) {
+        split[r * K16 + k + i] = x[r * K + k + 2 * i];
+        split[r * K16 + k + 8 + i] = x[r * K + k + 2 * i + 1];
+      }
+  return split;
+}
+
+bool has_avx2_fma() {
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return supported;
+}
+#endif
+
+}  // namespace
+
+void linear_bf16_weight(const float* x, const uint16_t* w, const float* bias, float* out, int64_t R, int64_t K,
+                        int64_t N, bool portable) {
+#if defined(__x86_64__) || defined(_M_X64)
+  const bool avx2 = !portable && has_avx2_fma();
+  const std::vector<float> x_split = avx2 ? deinterleave_x(x, R, K) : std::vector<float>();
+#endif
+  // Column pairs are the unit of work, so every thread's slice starts on an even column.
+  const int64_t pairs = (N + 1) / 2;
+  // Below this many weight bytes a second thread costs more to wake than it saves.
+  const bool parallel = N * K >= (int64_t{1} << 16);
+#pragma omp parallel if (parallel)
+  {
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+    const int64_t threads = 1, id = 0;
+#endif
+    const int64_t n_begin = std::min(N, 2 * (pairs * id / threads));
+    const int64_t n_end = std::min(N, 2 * (pairs * (id + 1) / threads));
+#if defined(__x86_64__) || defined(_M_X64)
+    if (avx2) {
+      columns_avx2(x, x_split.data(), w, bias, out, R, K, N, n_begin, n_end);
+    } else {
+      columns_generic(x, w, bias, out, R, K, N, n_begin, n_end);
+    }
+#else
+    columns_generic(x, w, bias, out, R, K, N, n_begin, n_end);
+#endif
+  }
+}
+
+}  // namespace specengine

@@ -1,0 +1,63 @@
+"""Matrix products with bfloat16-stored weights and float32 activations, for CPU decoding.
+
+A decode step streams every weight once; on a CPU that is most of its time. A bfloat16
+checkpoint kept in bfloat16 is half the bytes of an upcast float32 copy, and widening
+bfloat16 to float32 is exact, so the products equal float32 ones up to summation order.
+
+  "cpp"        specengine._C.linear_bf16_weight (AVX2/FMA where the CPU has it, OpenMP over columns)
+  "portable"   the same op through its plain C++ loop (what CPUs without AVX2/FMA run)
+  "reference"  F.linear on the weight upcast to float32 (the oracle)
+  "auto"       cpp
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IMPLEMENTATIONS = ("auto", "cpp", "portable", "reference")
+
+
+def _check(cond: bool, message: str):
+    if not cond:
+        raise ValueError(f"linear_bf16_weight: {message}")
+
+
+def linear_bf16_weight(
+    x: torch.Tensor,                   # [..., K] float32, CPU
+    weight: torch.Tensor,              # [N, K] bfloat16, CPU, contiguous
+    bias: torch.Tensor | None = None,  # [N] float32, or None
+    impl: str = "auto",
+) -> torch.Tensor:
+    """x @ weight^T + bias as float32 [..., N], weights widened to float32 on the fly."""
+    _check(impl in IMPLEMENTATIONS, f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    _check(weight.dim() == 2, f"weight must be [N, K], got {tuple(weight.shape)}")
+    N, K = weight.shape
+    _check(K >= 1, "weight has no input features")
+    _check(x.dim() >= 1 and x.shape[-1] == K, f"x must be [..., {K}], got {tuple(x.shape)}")
+    _check(x.dtype == torch.float32, f"x must be float32, got {x.dtype}")
+    _check(weight.dtype == torch.bfloat16, f"weight must be bfloat16, got {weight.dtype}")
+    _check(x.device.type == "cpu" and weight.device.type == "cpu", "x and weight must be CPU tensors")
+    _check(weight.is_contiguous(), "weight must be contiguous")
+    if bias is not None:
+        _check(tuple(bias.shape) == (N,), f"bias must be [{N}], got {tuple(bias.shape)}")
+        _check(bias.dtype == torch.float32 and bias.device.type == "cpu", "bias must be a float32 CPU tensor")
+        bias = bias.contiguous()
+    if impl == "reference":
+        return F.linear(x, weight.float(), bias)
+    return linear_bf16_weight_cpp(x, weight, bias, portable=impl == "portable")
+
+
+def linear_bf16_weight_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           portable: bool = False) -> torch.Tensor:
+    """The C++ op without argument checks, for model layers whose weights the loader already
+    checked (the checks cost more than the product of a small layer). Same contract as above."""
+    from .. import _C
+
+    # Every torch call costs microseconds here, as much as a small layer's product: no views.
+    if not x.is_contiguous():
+        x = x.contiguous()
+    K, N = x.shape[-1], weight.shape[0]
+    out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
+    _C.linear_bf16_weight(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                          x.numel() // K, K, N, portable)
+    return out

@@ -1,0 +1,102 @@
+"""The bfloat16-weight matrix product (specengine.ops.linear) against its float32 reference."""
+import pytest
+import torch
+
+from specengine.models import load_model
+from specengine.ops.linear import linear_bf16_weight
+
+from conftest import ARCH_CASES
+
+IMPLS = ["cpp", "portable"]
+
+
+def operands(R, K, N, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, K, generator=g)
+    weight = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g) if bias else None
+    return x, weight, b
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 6, 7, 9, 33])
+@pytest.mark.parametrize("K,N", [(1, 1), (15, 3), (16, 2), (17, 5), (192, 97), (513, 64), (64, 8193)])
+def test_matches_the_float32_reference(impl, R, K, N):
+    x, weight, bias = operands(R, K, N, bias=N % 2 == 1)
+    want = linear_bf16_weight(x, weight, bias, impl="reference")
+    got = linear_bf16_weight(x, weight, bias, impl=impl)
+    # Only the summation order differs: bound by K ulps of the sum of |terms|.
+    scale = (x.abs() @ weight.float().abs().t()) + (bias.abs() if bias is not None else 0)
+    assert got.shape == want.shape == (R, N)
+    assert ((got - want).abs() <= K * 1.2e-7 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_exact_on_integer_operands(impl):
+    """Small integers make every product and partial sum exact in float32, in any order:
+    a wrong lane, a dropped tail element or a misplaced bias shows up as an inequality."""
+    g = torch.Generator().manual_seed(1)
+    for R, K, N in [(1, 37, 11), (5, 48, 7), (9, 100, 13), (4, 16, 4)]:
+        x = torch.randint(-8, 9, (R, K), generator=g).float()
+        weight = torch.randint(-8, 9, (N, K), generator=g).bfloat16()
+        bias = torch.randint(-8, 9, (N,), generator=g).float()
+        want = x @ weight.float().t() + bias
+        assert torch.equal(linear_bf16_weight(x, weight, bias, impl=impl), want)
+
+
+def test_keeps_leading_dimensions_and_accepts_strided_input():
+    x, weight, _ = operands(6, 32, 10, bias=False)
+    x3 = x.view(2, 3, 32)
+    torch.testing.assert_close(linear_bf16_weight(x3, weight), linear_bf16_weight(x3, weight, impl="reference"))
+    strided = torch.randn(32, 6).t()  # [6, 32], not contiguous
+    torch.testing.assert_close(linear_bf16_weight(strided, weight),
+                               linear_bf16_weight(strided.contiguous(), weight, impl="reference"))
+    assert linear_bf16_weight(torch.randn(0, 32), weight).shape == (0, 10)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(x=torch.randn(2, 31)), "x must be"),
+    (dict(x=torch.randn(2, 32).double()), "x must be float32"),
+    (dict(weight=torch.randn(10, 32)), "weight must be bfloat16"),
+    (dict(weight=torch.randn(32, 10).bfloat16().t()), "contiguous"),
+    (dict(bias=torch.randn(9)), "bias must be"),
+    (dict(impl="cuda"), "impl must be"),
+])
+def test_bad_arguments_are_named(bad, message):
+    args = dict(x=torch.randn(2, 32), weight=torch.randn(10, 32).bfloat16(), bias=None, impl="auto")
+    args.update(bad)
+    with pytest.raises(ValueError, match=message):
+        linear_bf16_weight(**args)
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_bfloat16_checkpoints_keep_bfloat16_matrices_and_match_transformers(case, checkpoint, tmp_path):
+    """A bfloat16 checkpoint on CPU computes in float32 from bfloat16-stored matrices: the same
+    numbers as transformers running the checkpoint upcast to float32."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(checkpoint(case)).to(torch.bfloat16).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(tmp_path)
+    assert ours.dtype == torch.float32
+    assert ours.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert ours.model.layers[0].input_layernorm.weight.dtype == torch.float32
+    upcast = load_model(tmp_path, weight_dtype="float32")
+    assert upcast.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    tokens = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    with torch.no_grad():
+        want = hf(tokens).logits
+        for model in (ours, upcast):
+            got = model.logits(model(tokens, torch.zeros(1, dtype=torch.int64), model.new_cache(1, 16)))
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
+def test_weight_dtype_combinations_that_are_not_supported_are_named(checkpoint):
+    folder = checkpoint("qwen2-qkv-bias")
+    with pytest.raises(ValueError, match="weight_dtype"):
+        load_model(folder, dtype="bfloat16", weight_dtype="float32")
+    # A float32 checkpoint stays float32 unless asked otherwise.
+    assert load_model(folder).model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    narrowed = load_model(folder, weight_dtype="bfloat16")
+    assert narrowed.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
