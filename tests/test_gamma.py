@@ -43,8 +43,28 @@ def test_useless_or_expensive_draft_gives_gamma_zero_and_good_draft_gives_many()
 def test_controller_probes_now_and_then_at_gamma_zero():
     controller = GammaController(CostModel(0.5, (1.0,) * 5))
     estimate = AcceptanceEstimate(accepted=0.0, rejected=50.0)
-    choices = [controller.choose(estimate) for _ in range(3 * GammaController.PROBE_EVERY)]
+    choices = [controller.choose([estimate]) for _ in range(3 * GammaController.PROBE_EVERY)]
     assert choices.count(1) == 3 and set(choices) == {0, 1}
+
+
+def brute_force_batch_best(costs: CostModel, alphas: list[float]) -> int:
+    rates = [sum(expected_tokens(a, g) for a in alphas) / (g * costs.draft_step_s + costs.verify_s[g])
+             for g in range(len(costs.verify_s))]
+    return rates.index(max(rates))
+
+
+def test_one_gamma_for_the_batch_maximises_its_tokens_per_second():
+    """Rows share draft steps and the padded verification, so the batch's choice is not any row's
+    own: one row with a good draft among useless ones must not make the batch draft 8 tokens."""
+    costs = CostModel(0.1, tuple(1.0 + 0.15 * k for k in range(9)))
+    controller = GammaController({1: CostModel(0.01, (1.0,) * 9), 8: costs})
+    for alphas in ([0.95] + [0.05] * 7, [0.9] * 8, [0.0] * 8, [0.3, 0.6, 0.8, 0.2, 0.9, 0.5, 0.7, 0.4]):
+        estimates = [AcceptanceEstimate(accepted=100 * a, rejected=100 * (1 - a)) for a in alphas]
+        assert controller.choose(estimates) == brute_force_batch_best(costs, alphas)
+    mixed = [0.95] + [0.05] * 7
+    assert brute_force_batch_best(costs, mixed) < costs.best_gamma(0.95)
+    # A batch of one uses the batch-1 costs.
+    assert controller.choose([AcceptanceEstimate(95, 5)]) == 8
 
 
 def test_acceptance_estimate_tracks_recent_rounds():

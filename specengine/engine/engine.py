@@ -39,8 +39,9 @@ class Engine:
                  gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
                  verify_impl: str = "auto", max_gamma: int = 8,
                  costs: CostModel | dict[int, CostModel] | None = None, nvtx: bool = False):
-        """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma) from
-        costs measured now (or given as `costs`) and each request's running acceptance rate.
+        """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma, one
+        value for the batch) from costs measured now (or given as `costs`) and each request's
+        running acceptance rate.
         verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch).
         nvtx: mark the draft, verify (target forward) and accept phases for Nsight Systems."""
         if verify_impl not in IMPLEMENTATIONS:
@@ -80,8 +81,11 @@ class Engine:
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
                         gamma: int | str = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
                         max_seq_len: int | None = None, verify_impl: str = "auto", max_gamma: int = 8,
-                        nvtx: bool = False) -> "Engine":
+                        nvtx: bool = False, weight_dtype: str | torch.dtype | None = None) -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders.
+
+        dtype is the compute dtype; weight_dtype the matrices' storage (see models.load_model:
+        by default a bfloat16 checkpoint on CPU keeps bfloat16 matrices and computes in float32).
 
         drafter "model" uses the draft folder (none given: target-only decoding); "ngram"
         drafts by prompt lookup and takes no draft folder.
@@ -97,13 +101,13 @@ class Engine:
             raise ValueError("the ngram drafter takes no draft model; drop `draft` or use drafter='model'")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device {device!r} requested but CUDA is not available")
-        target_model = load_model(target, device, dtype)
+        target_model = load_model(target, device, dtype, weight_dtype)
         tokenizer = load_tokenizer(target)
         chosen: Drafter | None = None
         if drafter == "ngram":
             chosen = NgramDrafter()
         elif draft is not None:
-            draft_model = load_model(draft, device, dtype)
+            draft_model = load_model(draft, device, dtype, weight_dtype)
             check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
             chosen = ModelDrafter(draft_model, target_model.config.vocab_size, len(tokenizer))
         return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl, max_gamma=max_gamma,
@@ -209,8 +213,9 @@ class Engine:
 
         while active:
             sequences = [r.tokens for r in active]
-            budgets = [min(self._round_gamma(r, len(active)), r.params.max_new_tokens - len(r.generated) - 1,
-                           capacity - len(s) - 1) for r, s in zip(active, sequences)]
+            gamma = self._round_gamma(active)
+            budgets = [min(gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
+                       for r, s in zip(active, sequences)]
             with nvtx_range("draft", self.nvtx):
                 proposal = self._propose(sequences, budgets, sampling, device)
             # Verification also advances both caches' lengths: that is the whole rollback.
@@ -237,10 +242,10 @@ class Engine:
                         self.drafter.keep_rows(keep)
         self.last_run_stats = DecodeStats.combine([r.stats for r in requests], time.perf_counter() - t0)
 
-    def _round_gamma(self, r: Request, batch_size: int) -> int:
+    def _round_gamma(self, active: list[Request]) -> int:
         if self.gamma_controller is None:
             return self.gamma
-        return self.gamma_controller.choose(r.acceptance, batch_size)
+        return self.gamma_controller.choose([r.acceptance for r in active])
 
     def _propose(self, sequences, budgets, sampling, device) -> Proposal:
         if self.drafter is None or max(budgets) == 0:

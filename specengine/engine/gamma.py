@@ -2,16 +2,19 @@
 
 With per-token acceptance rate alpha, a round that drafts g tokens emits on average
 (1 - alpha^(g+1)) / (1 - alpha) tokens (Equation 1) and costs g draft steps plus one target
-call on g + 1 tokens. gamma="auto" picks, for each row and round, the g that maximises
-expected tokens per second, from costs measured on this machine (verifying k tokens is not
-free on a CPU) and a smoothed per-request estimate of alpha. g = 0 is plain target-only
-decoding, so a useless draft can never make decoding slower than no draft (beyond the
-occasional probe that keeps the estimate of alpha alive).
+call on g + 1 tokens. A batch shares its rounds: the draft model steps g times for every row
+and the target verifies g + 1 positions of every row, so one g serves the whole batch.
+gamma="auto" picks, each round, the g that maximises the batch's expected tokens per second,
+from costs measured on this machine at that batch size (verifying k tokens is not free on a
+CPU) and a smoothed estimate of alpha per request. g = 0 is plain target-only decoding, so a
+useless draft can never make decoding slower than no draft (beyond the occasional probe that
+keeps the estimates of alpha alive).
 """
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,11 +51,17 @@ class CostModel:
     def max_gamma(self) -> int:
         return len(self.verify_s) - 1
 
-    def tokens_per_second(self, alpha: float, gamma: int) -> float:
-        return expected_tokens(alpha, gamma) / (gamma * self.draft_step_s + self.verify_s[gamma])
+    def round_seconds(self, gamma: int) -> float:
+        return gamma * self.draft_step_s + self.verify_s[gamma]
 
-    def best_gamma(self, alpha: float) -> int:
-        return max(range(self.max_gamma + 1), key=lambda g: (self.tokens_per_second(alpha, g), -g))
+    def tokens_per_second(self, alphas: float | Sequence[float], gamma: int) -> float:
+        """Expected tokens per second of rounds drafting gamma tokens for rows with these alphas."""
+        alphas = (alphas,) if isinstance(alphas, (int, float)) else alphas
+        return sum(expected_tokens(a, gamma) for a in alphas) / self.round_seconds(gamma)
+
+    def best_gamma(self, alphas: float | Sequence[float]) -> int:
+        """The gamma of most tokens per second (the smallest on ties)."""
+        return max(range(self.max_gamma + 1), key=lambda g: (self.tokens_per_second(alphas, g), -g))
 
 
 @dataclass
@@ -74,7 +83,7 @@ class AcceptanceEstimate:
 
 
 class GammaController:
-    """Per-row gamma for each round from CostModels (by batch size) and per-request AcceptanceEstimates."""
+    """Each round's gamma from CostModels (by batch size) and the rows' AcceptanceEstimates."""
 
     PROBE_EVERY = 16  # rounds at gamma 0 before drafting one token again to re-measure alpha
 
@@ -92,12 +101,15 @@ class GammaController:
         fitting = [b for b in self.costs_by_batch if b <= batch_size]
         return self.costs_by_batch[max(fitting) if fitting else min(self.costs_by_batch)]
 
-    def choose(self, estimate: AcceptanceEstimate, batch_size: int = 1) -> int:
-        gamma = self.costs_for(batch_size).best_gamma(estimate.alpha)
+    def choose(self, estimates: Sequence[AcceptanceEstimate]) -> int:
+        """One gamma for a round of these rows (the batch)."""
+        gamma = self.costs_for(len(estimates)).best_gamma([e.alpha for e in estimates])
         if gamma == 0:
-            estimate.rounds_without_drafts += 1
-            if estimate.rounds_without_drafts >= self.PROBE_EVERY:
-                estimate.rounds_without_drafts = 0
+            for e in estimates:
+                e.rounds_without_drafts += 1
+            if max(e.rounds_without_drafts for e in estimates) >= self.PROBE_EVERY:
+                for e in estimates:
+                    e.rounds_without_drafts = 0
                 return 1
         return gamma
 
