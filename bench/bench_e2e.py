@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import json
 import platform
 import statistics
-import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +27,7 @@ from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.drafters.ngram import NgramDrafter
 from specengine.engine.gamma import expected_ops_ratio, measure_costs, predicted_speedup
-from specengine.shipped import shipped_pair
+from specengine.shipped import heldout_prompts, shipped_pair
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -43,19 +41,6 @@ class Config:
     gamma: int | str = 0      # spec only: 0 = target-only
     drafter: str | None = None
     runs: list[dict] = field(default_factory=list)
-
-
-def heldout_prompts(target_dir: Path, tokenizer, count: int, length: int = 64) -> list[list[int]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    names = json.loads((target_dir / "heldout_files.json").read_text())
-    prompts = []
-    for name in names:
-        ids = tokenizer((root / name).read_text(encoding="utf-8", errors="replace"))["input_ids"]
-        if len(ids) > 4 * length:
-            prompts.append(ids[len(ids) // 3: len(ids) // 3 + length])
-        if len(prompts) == count:
-            return prompts
-    raise SystemExit(f"only {len(prompts)} held-out files are long enough for {count} prompts")
 
 
 @torch.inference_mode()
@@ -99,6 +84,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gammas", type=int, nargs="+", help="fixed gammas to run (default: 1..8; quick: 1 2 4 6 8)")
     parser.add_argument("--pair", nargs=2, metavar=("TARGET", "DRAFT"), help="default: the shipped pair")
     args = parser.parse_args()
     if args.quick:
@@ -115,8 +101,8 @@ def main():
     V = target.config.vocab_size
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
-    prompts = heldout_prompts(target_dir, tokenizer, args.prompts)
-    gammas = [1, 2, 4, 6, 8] if args.quick else list(range(1, 9))
+    prompts = heldout_prompts(tokenizer, args.prompts, length=64, start_fraction=1 / 3)
+    gammas = args.gammas or ([1, 2, 4, 6, 8] if args.quick else list(range(1, 9)))
 
     configs: list[Config] = []
     for T in (0.0, 1.0):
@@ -136,13 +122,13 @@ def main():
         key = (cfg.drafter, cfg.gamma)
         if key not in engines:
             drafter = {"model": ModelDrafter(draft, V, len(tokenizer)), "ngram": NgramDrafter(), None: None}[cfg.drafter]
-            engines[key] = Engine(target, tokenizer, drafter, gamma=cfg.gamma or 1)
+            engines[key] = Engine(target, tokenizer, drafter, gamma=cfg.gamma or 1, time_phases=True)
         return engines[key]
 
     def run(cfg: Config, rep: int, limit: int | None = None) -> dict:
         chosen = prompts[: limit or len(prompts)]
         batches = [chosen[i: i + cfg.batch] for i in range(0, len(chosen), cfg.batch)]
-        outputs, stats = [], []
+        outputs, stats, phases = [], [], {}
         t0 = time.perf_counter()
         for i, batch in enumerate(batches):
             if cfg.kind == "hf":
@@ -157,6 +143,8 @@ def main():
                 e = spec_engine(cfg)
                 outputs += [r.token_ids for r in e.generate(batch, params)]
                 stats.append(e.last_run_stats)
+                for name, sec in e.last_run_phases.items():
+                    phases[name] = phases.get(name, 0.0) + sec
         seconds = time.perf_counter() - t0
         run_stats = dict(seconds=seconds, tokens=sum(len(o) for o in outputs), outputs=outputs)
         if stats:
@@ -164,14 +152,15 @@ def main():
             tested = accepted + sum(s.rejections for s in stats)
             run_stats.update(alpha=accepted / tested if tested else None,
                              tokens_per_call=sum(s.generated_tokens for s in stats) / sum(s.rounds for s in stats),
-                             histogram=[sum(h) for h in zip(*(s.accepted_histogram for s in stats))])
+                             histogram=[sum(h) for h in zip(*(s.accepted_histogram for s in stats))],
+                             rounds=sum(s.rounds for s in stats), phases=phases)
         return run_stats
 
     # Warm-up (every configuration once, on one prompt), then interleaved repeats.
     for cfg in tqdm(configs, desc="warm-up"):
         run(cfg, rep=99, limit=cfg.batch)
-    costs = measure_costs(target, draft, 8)
-    c = costs.draft_step_s / costs.verify_s[0]
+    # Step costs at each benchmarked batch size: c for Theorem 3.8, and the cost of verifying k tokens.
+    costs = {B: measure_costs(target, draft, 8, batch_size=B) for B in (1, 8)}
     with tqdm(total=args.repeats * len(configs), desc="benchmark") as bar:
         for rep in range(args.repeats):
             for cfg in configs:
@@ -195,6 +184,17 @@ def main():
         base = rate(by_name[f"spec target-only T={T:g} B={B}"])
         alpha = statistics.median(r["alpha"] for r in cfg.runs) if cfg.runs[0].get("alpha") is not None else None
         g = cfg.gamma if isinstance(cfg.gamma, int) else None
+        c = costs[B].draft_step_s / costs[B].verify_s[0]
+        modelled = cfg.drafter == "model" and g and alpha is not None
+        # Where a round's time goes (median run): phases per round, in ms and as shares of the run.
+        profile = {}
+        if cfg.kind == "spec":
+            run_ = sorted(cfg.runs, key=lambda r: r["seconds"])[len(cfg.runs) // 2]
+            ph = run_["phases"]
+            profile = dict(round_ms=round(1e3 * (ph["total"] - ph["prefill"]) / run_["rounds"], 2),
+                           **{f"{k}_ms_per_round": round(1e3 * ph[k] / run_["rounds"], 2)
+                              for k in ("draft", "verify", "accept", "host")},
+                           prefill_share=round(ph["prefill"] / ph["total"], 3))
         row = dict(machine=machine, date=date, torch=torch.__version__, config=cfg.name, kind=cfg.kind, batch=B,
                    temperature=T, gamma=cfg.gamma, drafter=cfg.drafter or "", tokens_per_s=round(rate(cfg), 2),
                    vs_hf=round(rate(cfg) / hf_rate, 3),
@@ -204,10 +204,12 @@ def main():
                    if "tokens_per_call" in cfg.runs[0] else "",
                    c=round(c, 4) if cfg.drafter == "model" else "",
                    measured_speedup=round(rate(cfg) / base, 3) if cfg.kind == "spec" else "",
-                   predicted_speedup=round(predicted_speedup(alpha, g, c), 3)
-                   if cfg.drafter == "model" and g and alpha is not None else "",
-                   ops_ratio=round(expected_ops_ratio(alpha, g, draft_params / target_params), 3)
-                   if cfg.drafter == "model" and g and alpha is not None else "")
+                   predicted_speedup=round(predicted_speedup(alpha, g, c), 3) if modelled else "",
+                   # Theorem 3.8 with the measured cost of verifying g + 1 tokens in place of one step.
+                   predicted_with_verify_cost=round(costs[B].tokens_per_second(alpha, g) * costs[B].verify_s[0], 3)
+                   if modelled else "",
+                   ops_ratio=round(expected_ops_ratio(alpha, g, draft_params / target_params), 3) if modelled else "",
+                   **profile)
         rows.append(row)
     # Greedy outputs of every specengine configuration must equal Hugging Face's greedy outputs.
     for B in (1, 8):
@@ -227,6 +229,15 @@ def main():
         print(f"{row['config']:38s} {row['tokens_per_s']:8.1f} tok/s  vs HF {row['vs_hf']:6.2f}x  "
               f"alpha {row['alpha']!s:6s} speedup {row['measured_speedup']!s:6s} predicted {row['predicted_speedup']!s:6s}"
               f" greedy==HF {row.get('greedy_equals_hf', '')}")
+    print("\nMeasured step costs (ms): target on k = 1..9 tokens, one draft step")
+    for B, cm in costs.items():
+        print(f"  batch {B}: target {[round(1e3 * t, 2) for t in cm.verify_s]}, draft {1e3 * cm.draft_step_s:.2f}, "
+              f"c = {cm.draft_step_s / cm.verify_s[0]:.3f}")
+    print("\nWhere a round's time goes (ms per round: draft / verify forward / accept kernel / host)")
+    for row in rows:
+        if "round_ms" in row and row["drafter"] != "ngram":
+            print(f"  {row['config']:38s} {row['round_ms']:7.2f} = {row['draft_ms_per_round']:6.2f} + "
+                  f"{row['verify_ms_per_round']:6.2f} + {row['accept_ms_per_round']:5.2f} + {row['host_ms_per_round']:5.2f}")
     print("\nPaper Table 3 view: alpha per (draft, temperature), batch 1, gamma 4")
     for drafter in ("model", "ngram"):
         for T in (0.0, 1.0):

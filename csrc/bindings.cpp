@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 
+#include "cpu_features.h"
 #include "linear.h"
 #include "ngram.h"
 #include "philox.h"
@@ -81,11 +82,11 @@ void verify_py(uintptr_t target_logits, uintptr_t draft_logits, int dtype, int64
 
 // Raw data pointers of CPU tensors, validated by specengine/ops/linear.py (never call directly).
 void linear_bf16_weight_py(uintptr_t x, uintptr_t weight, uintptr_t bias, uintptr_t out, int64_t R, int64_t K,
-                           int64_t N, bool portable) {
+                           int64_t N) {
   if (R < 0 || K < 0 || N < 0) throw std::invalid_argument("R, K and N must be >= 0");
   py::gil_scoped_release release;
   specengine::linear_bf16_weight(ptr<const float>(x), ptr<const uint16_t>(weight), ptr<const float>(bias),
-                                 ptr<float>(out), R, K, N, portable);
+                                 ptr<float>(out), R, K, N);
 }
 
 }  // namespace
@@ -105,8 +106,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("target_lengths"), py::arg("draft_lengths"), py::arg("planted_bug") = 0);
   m.def("linear_bf16_weight", &linear_bf16_weight_py,
         "out [R, N] = x [R, K] float32 @ weight [N, K] bfloat16 ^T + bias (use specengine.ops.linear).",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("R"), py::arg("K"), py::arg("N"),
-        py::arg("portable") = false);
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("R"), py::arg("K"), py::arg("N"));
+  m.def("set_portable_kernels", [](bool on) { specengine::force_portable() = on; }, py::arg("on"),
+        "Run the portable C++ loops even where the CPU has AVX2/FMA (tests of those paths).");
+  m.def("uses_avx2", &specengine::use_avx2, "Whether the C++ ops take their AVX2/FMA paths now.");
   m.def("philox_uniforms", &philox_uniforms_py, py::arg("seeds"), py::arg("positions"),
         py::arg("stream"),
         "Uniforms [B, K] in [0, 1) keyed by (seeds[b], positions[b, k], stream), Philox4x32-10.");

@@ -12,9 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
+#include "cpu_features.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -43,9 +41,7 @@ void columns_generic(const float* x, const uint16_t* w, const float* bias, float
   }
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define SPECENGINE_AVX2 __attribute__((target("avx2,fma")))
-
+#ifdef SPECENGINE_X86
 SPECENGINE_AVX2 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -133,18 +129,14 @@ std::vector<float> deinterleave_x(const float* x, int64_t R, int64_t K) {
   return split;
 }
 
-bool has_avx2_fma() {
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return supported;
-}
 #endif
 
 }  // namespace
 
 void linear_bf16_weight(const float* x, const uint16_t* w, const float* bias, float* out, int64_t R, int64_t K,
-                        int64_t N, bool portable) {
-#if defined(__x86_64__) || defined(_M_X64)
-  const bool avx2 = !portable && has_avx2_fma();
+                        int64_t N) {
+#ifdef SPECENGINE_X86
+  const bool avx2 = use_avx2();
   const std::vector<float> x_split = avx2 ? deinterleave_x(x, R, K) : std::vector<float>();
 #endif
   // Column pairs are the unit of work, so every thread's slice starts on an even column.
@@ -160,7 +152,7 @@ void linear_bf16_weight(const float* x, const uint16_t* w, const float* bias, fl
 #endif
     const int64_t n_begin = std::min(N, 2 * (pairs * id / threads));
     const int64_t n_end = std::min(N, 2 * (pairs * (id + 1) / threads));
-#if defined(__x86_64__) || defined(_M_X64)
+#ifdef SPECENGINE_X86
     if (avx2) {
       columns_avx2(x, x_split.data(), w, bias, out, R, K, N, n_begin, n_end);
     } else {

@@ -9,9 +9,8 @@ namespace specengine {
 // copy, and the arithmetic is the same (bfloat16 -> float32 is exact).
 // x [R, K] float32 and w [N, K] bfloat16 (as raw uint16 bits) row-major and contiguous;
 // bias [N] float32 or nullptr; out [R, N] float32. The Python host wrapper
-// (specengine/ops/linear.py) validates and allocates. portable: take the plain C++ loop even
-// where the CPU has AVX2 and FMA (so tests cover the path of CPUs without them).
+// (specengine/ops/linear.py) validates and allocates.
 void linear_bf16_weight(const float* x, const uint16_t* w, const float* bias, float* out, int64_t R, int64_t K,
-                        int64_t N, bool portable = false);
+                        int64_t N);
 
 }  // namespace specengine

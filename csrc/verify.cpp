@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_features.h"
 #include "philox.h"
 
 namespace specengine {
@@ -64,12 +65,156 @@ struct Warp {
   float prob(int64_t v) const { return greedy ? (v == argmax ? 1.f : 0.f) : probs[v]; }
 };
 
+void load_row(float* x, const void* base, LogitDtype dtype, int64_t offset, int64_t V) {
+  switch (dtype) {  // outside the loop, so the float32 and bfloat16 loops vectorise
+    case LogitDtype::kFloat32:
+      std::memcpy(x, static_cast<const float*>(base) + offset, V * sizeof(float));
+      return;
+    case LogitDtype::kBFloat16: {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(x);
+      for (int64_t v = 0; v < V; ++v) dst[v] = static_cast<uint32_t>(src[v]) << 16;
+      return;
+    }
+    case LogitDtype::kFloat16:
+      for (int64_t v = 0; v < V; ++v) x[v] = load(base, dtype, offset + v);
+      return;
+  }
+}
+
+// The passes of build_warp, portable versions (the AVX2 ones below compute the same values up
+// to the last bit of exp and the order of the sums).
+int64_t first_argmax_portable(const float* x, int64_t V) { return std::max_element(x, x + V) - x; }
+
+double exp_below_threshold_portable(float* x, int64_t V, float kth) {
+  double z = 0.0;
+  for (int64_t v = 0; v < V; ++v) {
+    x[v] = x[v] >= kth ? std::exp(x[v]) : 0.f;
+    z += x[v];
+  }
+  return z;
+}
+
+double zero_below_floor_portable(float* x, int64_t V, float floor_prob) {
+  double z = 0.0;
+  for (int64_t v = 0; v < V; ++v) {
+    if (x[v] < floor_prob) x[v] = 0.f;
+    z += x[v];
+  }
+  return z;
+}
+
+#ifdef SPECENGINE_X86
+SPECENGINE_AVX2 inline double sum_as_double(__m256d a, __m256d b) {
+  __m256d s = _mm256_add_pd(a, b);
+  __m128d h = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+
+// Adds the 8 floats of v into two double accumulators: sums over a whole vocabulary keep
+// float32 rounding out of the normalisers, as the portable loops do.
+SPECENGINE_AVX2 inline void accumulate(__m256d& lo, __m256d& hi, __m256 v) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+
+// exp for x <= 0 (logits minus their max, over a temperature): Cephes' expf polynomial on
+// x - n ln2 with n = round(x log2 e), scaled by 2^n through the exponent bits; within 2 ulp of
+// std::exp. Below -87.3 (where float leaves its normal range) and at -inf it gives 0.
+SPECENGINE_AVX2 inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.3365447f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
+}
+
+SPECENGINE_AVX2 int64_t first_argmax_avx2(const float* x, int64_t V) {
+  const int64_t V8 = V & ~int64_t{7};
+  if (V8 == 0) return first_argmax_portable(x, V);
+  __m256 m = _mm256_loadu_ps(x);
+  for (int64_t v = 8; v < V8; v += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + v));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float best = *std::max_element(lanes, lanes + 8);
+  for (int64_t v = V8; v < V; ++v) best = std::max(best, x[v]);
+  const __m256 target = _mm256_set1_ps(best);
+  for (int64_t v = 0; v < V8; v += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + v), target, _CMP_EQ_OQ));
+    if (mask) return v + __builtin_ctz(mask);
+  }
+  for (int64_t v = V8; v < V; ++v)
+    if (x[v] == best) return v;
+  return first_argmax_portable(x, V);  // only for NaN rows, which the host rejects
+}
+
+SPECENGINE_AVX2 double exp_below_threshold_avx2(float* x, int64_t V, float kth) {
+  const int64_t V8 = V & ~int64_t{7};
+  const __m256 threshold = _mm256_set1_ps(kth);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  for (int64_t v = 0; v < V8; v += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + v);
+    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(xv, threshold, _CMP_GE_OQ), exp_nonpositive(xv));
+    _mm256_storeu_ps(x + v, e);
+    accumulate(lo, hi, e);
+  }
+  return sum_as_double(lo, hi) + exp_below_threshold_portable(x + V8, V - V8, kth);
+}
+
+SPECENGINE_AVX2 double zero_below_floor_avx2(float* x, int64_t V, float floor_prob) {
+  const int64_t V8 = V & ~int64_t{7};
+  const __m256 floor_v = _mm256_set1_ps(floor_prob);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  for (int64_t v = 0; v < V8; v += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + v);
+    const __m256 kept = _mm256_and_ps(_mm256_cmp_ps(xv, floor_v, _CMP_GE_OQ), xv);
+    _mm256_storeu_ps(x + v, kept);
+    accumulate(lo, hi, kept);
+  }
+  return sum_as_double(lo, hi) + zero_below_floor_portable(x + V8, V - V8, floor_prob);
+}
+#endif
+
+int64_t first_argmax(const float* x, int64_t V) {
+#ifdef SPECENGINE_X86
+  if (use_avx2()) return first_argmax_avx2(x, V);
+#endif
+  return first_argmax_portable(x, V);
+}
+
+// x[v] = x[v] >= kth ? exp(x[v]) : 0 (x <= 0 here); returns the sum.
+double exp_below_threshold(float* x, int64_t V, float kth) {
+#ifdef SPECENGINE_X86
+  if (use_avx2()) return exp_below_threshold_avx2(x, V, kth);
+#endif
+  return exp_below_threshold_portable(x, V, kth);
+}
+
+// x[v] = x[v] < floor_prob ? 0 : x[v]; returns the sum.
+double zero_below_floor(float* x, int64_t V, float floor_prob) {
+#ifdef SPECENGINE_X86
+  if (use_avx2()) return zero_below_floor_avx2(x, V, floor_prob);
+#endif
+  return zero_below_floor_portable(x, V, floor_prob);
+}
+
 void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int64_t V, float temperature,
                 int64_t top_k, float top_p, float min_p, std::vector<float>& scratch) {
   std::vector<float>& x = w.probs;
   x.resize(V);
-  for (int64_t v = 0; v < V; ++v) x[v] = load(base, dtype, offset + v);
-  w.argmax = std::max_element(x.begin(), x.end()) - x.begin();  // the first maximum
+  load_row(x.data(), base, dtype, offset, V);
+  w.argmax = first_argmax(x.data(), V);
   w.greedy = temperature == 0.f;
   if (w.greedy) return;
   // Divide like the reference, (logit - max) / T: a multiply by 1/T rounds differently.
@@ -81,12 +226,7 @@ void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int
     std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(), std::greater<float>());
     kth = scratch[top_k - 1];
   }
-  double z = 0.0;
-  for (int64_t v = 0; v < V; ++v) {
-    x[v] = x[v] >= kth ? std::exp(x[v]) : 0.f;
-    z += x[v];
-  }
-  const float z1 = static_cast<float>(z);
+  const float z1 = static_cast<float>(exp_below_threshold(x.data(), V, kth));
   for (int64_t v = 0; v < V; ++v) x[v] /= z1;
   float floor_prob = 0.f;
   if (top_p < 1.f) {
@@ -107,12 +247,7 @@ void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int
     }
   }
   if (min_p > 0.f) floor_prob = std::max(floor_prob, min_p * (1.f / z1));
-  double z2 = 0.0;
-  for (int64_t v = 0; v < V; ++v) {
-    if (x[v] < floor_prob) x[v] = 0.f;
-    z2 += x[v];
-  }
-  const float total = static_cast<float>(z2);
+  const float total = static_cast<float>(zero_below_floor(x.data(), V, floor_prob));
   for (int64_t v = 0; v < V; ++v) x[v] /= total;
 }
 

@@ -14,31 +14,16 @@ import datetime
 import json
 import platform
 import statistics
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
 from specengine import Engine, SamplingParams
-from specengine.drafters.model import ModelDrafter
+from specengine.shipped import heldout_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):"]
-
-
-def heldout_prompts(target_dir: Path, tokenizer, count: int, prompt_tokens: int = 48) -> list[list[int]]:
-    files = json.loads((target_dir / "heldout_files.json").read_text())
-    root = Path(sysconfig.get_paths()["stdlib"])
-    prompts = []
-    for name in files:
-        ids = tokenizer((root / name).read_text(encoding="utf-8", errors="replace"))["input_ids"]
-        if len(ids) >= 4 * prompt_tokens:
-            middle = len(ids) // 2
-            prompts.append(ids[middle: middle + prompt_tokens])
-        if len(prompts) == count:
-            break
-    return prompts
 
 
 def step_time(model, reps: int = 30) -> float:
@@ -64,7 +49,7 @@ def main():
     pair = Path(args.pair)
     target_dir, draft_dir = pair / "pycode-target", pair / "pycode-draft"
     engine = Engine.from_pretrained(target_dir, draft_dir, gamma=4)
-    prompts = heldout_prompts(target_dir, engine.tokenizer, args.prompts)
+    prompts = heldout_prompts(engine.tokenizer, args.prompts, length=48, start_fraction=0.5)
 
     alpha = {}
     for temperature in (0.0, 1.0):

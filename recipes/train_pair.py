@@ -129,11 +129,15 @@ def heldout_loss(model, tokens: np.ndarray, device, seq=512, max_tokens=200_000)
 
 
 def train(kind: str, work: Path, data, vocab_size: int, eos: int, minutes: float, device, teacher=None,
-          batch=8, seq=256, lr=1.5e-3):
-    """Train one model for `minutes` of wall clock (resuming its checkpoint); returns (model, state)."""
+          distill_weight=0.5, name=None, batch=8, seq=256, lr=1.5e-3):
+    """Train one model for `minutes` of wall clock (resuming its checkpoint); returns (model, state).
+
+    With a teacher the loss is (1 - distill_weight) * cross-entropy + distill_weight * KL(teacher || model);
+    name (default: kind) names the checkpoint and the loss log in `work`."""
     from tqdm import tqdm
 
-    ckpt = work / f"{kind}.pt"  # our own training state, written and read only by this script
+    name = name or kind
+    ckpt = work / f"{name}.pt"  # our own training state, written and read only by this script
     model = make_model(kind, vocab_size, eos).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     state = dict(step=0, elapsed=0.0, tokens=0)
@@ -145,9 +149,9 @@ def train(kind: str, work: Path, data, vocab_size: int, eos: int, minutes: float
     budget = minutes * 60
     if state["elapsed"] >= budget:
         return model, state
-    log = open(work / f"{kind}_loss.csv", "a")
+    log = open(work / f"{name}_loss.csv", "a")
     stream = batches(data["train"], batch, seq, seed=state["step"] + (0 if kind == "target" else 10**6))
-    bar = tqdm(total=int(budget), initial=int(state["elapsed"]), unit="s", desc=f"train {kind}")
+    bar = tqdm(total=int(budget), initial=int(state["elapsed"]), unit="s", desc=f"train {name}")
     model.train()
     last_save = time.time()
     while state["elapsed"] < budget:
@@ -161,11 +165,11 @@ def train(kind: str, work: Path, data, vocab_size: int, eos: int, minutes: float
         with autocast(device):
             logits = model(x).logits.float()
             loss = ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-            if teacher is not None:
+            if teacher is not None and distill_weight > 0:
                 with torch.no_grad():
                     teacher_logp = F.log_softmax(teacher(x).logits.float(), -1)
                 kd = F.kl_div(F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="batchmean") / seq
-                loss = 0.5 * ce + 0.5 * kd
+                loss = (1 - distill_weight) * ce + distill_weight * kd
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

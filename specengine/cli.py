@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--weight-dtype", choices=("float32", "bfloat16", "float16"),
                      help="storage of the weight matrices (default: bfloat16 for a bfloat16 checkpoint "
                           "computing in float32 on CPU, else the compute dtype)")
-    gen.add_argument("--nvtx", action="store_true", help="NVTX ranges (draft, verify, accept) for Nsight Systems")
+    gen.add_argument("--nvtx", action="store_true",
+                     help="NVTX ranges (prefill, draft, verify, accept) for Nsight Systems")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     return parser
 

@@ -1,4 +1,5 @@
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -69,3 +70,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@contextmanager
+def portable_cpu_kernels(on: bool = True):
+    """Run specengine._C's portable loops instead of its AVX2/FMA paths (CPUs without them)."""
+    from specengine import _C
+
+    _C.set_portable_kernels(on)
+    try:
+        yield
+    finally:
+        _C.set_portable_kernels(False)

@@ -227,5 +227,23 @@ def test_nvtx_ranges_bracket_each_phase(monkeypatch):
     assert marks == []
     (r,) = Engine(target, drafter=ModelDrafter(target, 32, 32), gamma=2, nvtx=True).generate([[1, 2]], params)
     pushes = [m[1] for m in marks if m[0] == "push"]
-    assert pushes == ["draft", "verify", "accept"] * r.stats.rounds
+    assert pushes == ["prefill"] + ["draft", "verify", "accept"] * r.stats.rounds
     assert len([m for m in marks if m[0] == "pop"]) == len(pushes)
+
+
+def test_timed_phases_add_up_to_the_run():
+    from specengine.drafters.model import ModelDrafter
+
+    target = tiny_model(32, seed=0)
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    untimed = Engine(target, drafter=ModelDrafter(target, 32, 32), gamma=2)
+    untimed.generate([[1, 2]], params)
+    assert untimed.last_run_phases is None
+    engine = Engine(target, drafter=ModelDrafter(target, 32, 32), gamma=2, time_phases=True)
+    engine.generate([[1, 2], [3, 4, 5]], params)
+    phases = engine.last_run_phases
+    assert set(phases) == {"prefill", "draft", "verify", "accept", "host", "total"}
+    assert all(phases[k] > 0 for k in ("prefill", "draft", "verify", "accept"))
+    assert phases["host"] >= 0
+    parts = sum(v for k, v in phases.items() if k != "total")
+    assert parts == pytest.approx(phases["total"]) and phases["total"] == engine.last_run_stats.wall_time_s

@@ -1,23 +1,13 @@
 """The trained pycode pair that ships inside the package."""
 import json
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
 
 from specengine.cli import main as cli_main
 from specengine.models import load_model
-from specengine.shipped import DRAFT_DIR, TARGET_DIR, shipped_pair
+from specengine.shipped import DRAFT_DIR, TARGET_DIR, heldout_texts, shipped_pair
 from specengine.tokenizer import check_same_vocabulary, load_tokenizer
-
-
-def heldout_texts(limit=None):
-    root = Path(sysconfig.get_paths()["stdlib"])
-    names = json.loads((TARGET_DIR / "heldout_files.json").read_text())
-    names = [n for n in names if (root / n).is_file()][:limit]
-    assert names, "no held-out file of the training split exists on this interpreter"
-    return [(root / n).read_text(encoding="utf-8", errors="replace") for n in names]
 
 
 def test_the_pair_is_installed_with_the_package():

@@ -10,16 +10,18 @@ from specengine.sampling.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniforms
 from specengine.sampling.verify import verify_reference
 from specengine.sampling.warp import warp_probs
 
+from conftest import portable_cpu_kernels
 from stats_util import chi_square_pvalue
 from verify_cases import WARPS, VerifyCase, fixed_position_case, random_case
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
-KERNELS = ["cpp", "triton"]
+# "cpp-portable": the C++ kernel through its plain loops, as on CPUs without AVX2/FMA.
+KERNELS = ["cpp", "cpp-portable", "triton"]
 
 
 def device_for(impl):
-    return "cpu" if impl == "cpp" else DEVICE
+    return "cpu" if impl.startswith("cpp") else DEVICE
 
 
 def run(impl, case: VerifyCase, explicit=True, seeds=None, positions=None, target_lengths=None, draft_lengths=None):
@@ -28,10 +30,12 @@ def run(impl, case: VerifyCase, explicit=True, seeds=None, positions=None, targe
     to = lambda t: None if t is None else t.to(dev).contiguous()  # noqa: E731
     seeds = torch.zeros(B, dtype=torch.int64) if seeds is None else seeds
     positions = torch.zeros(B, dtype=torch.int64) if positions is None else positions
-    out = verify(to(case.target_logits), to(case.draft_logits), to(case.draft_tokens), to(case.num_drafts),
-                 to(case.temperature), to(case.top_k), to(case.top_p), to(case.min_p), to(seeds), to(positions),
-                 u_accept=to(case.u_accept) if explicit else None, u_sample=to(case.u_sample) if explicit else None,
-                 target_lengths=target_lengths, draft_lengths=draft_lengths, impl=impl)
+    with portable_cpu_kernels(impl == "cpp-portable"):
+        out = verify(to(case.target_logits), to(case.draft_logits), to(case.draft_tokens), to(case.num_drafts),
+                     to(case.temperature), to(case.top_k), to(case.top_p), to(case.min_p), to(seeds), to(positions),
+                     u_accept=to(case.u_accept) if explicit else None,
+                     u_sample=to(case.u_sample) if explicit else None,
+                     target_lengths=target_lengths, draft_lengths=draft_lengths, impl=impl.removesuffix("-portable"))
     return tuple(t.cpu() for t in out)
 
 
@@ -71,7 +75,7 @@ def assert_matches_reference(case: VerifyCase, got):
 
 def shapes_for(impl):
     shapes = [(1, 1, 1), (3, 2, 111), (5, 8, 111), (1, 4, 8193), (3, 1, 64), (6, 3, 17), (64, 2, 16)]
-    if impl == "cpp" or GPU:
+    if impl.startswith("cpp") or GPU:
         shapes += [(3, 3, 32000), (2, 2, 151936), (64, 5, 64), (8, 8, 1000), (1, 6, 32000)]
     if GPU:
         shapes += [(64, 8, 32000), (8, 4, 151936)]

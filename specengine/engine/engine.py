@@ -23,7 +23,7 @@ from ..ops.verify import IMPLEMENTATIONS, verify
 from ..sampling.batch import SamplingBatch, check_logits
 from ..sampling.params import SamplingParams
 from .gamma import CostModel, GammaController, measure_costs
-from .nvtx import nvtx_range
+from .phases import Phases
 from .request import DecodeStats, Request, Result
 from .runner import feed
 
@@ -38,12 +38,15 @@ class Engine:
     def __init__(self, target: LlamaForCausalLM, tokenizer=None, drafter: Drafter | None = None,
                  gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
                  verify_impl: str = "auto", max_gamma: int = 8,
-                 costs: CostModel | dict[int, CostModel] | None = None, nvtx: bool = False):
+                 costs: CostModel | dict[int, CostModel] | None = None, nvtx: bool = False,
+                 time_phases: bool = False):
         """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma, one
         value for the batch) from costs measured now (or given as `costs`) and each request's
         running acceptance rate.
         verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch).
-        nvtx: mark the draft, verify (target forward) and accept phases for Nsight Systems."""
+        nvtx: mark the prefill, draft, verify (target forward) and accept phases for Nsight Systems.
+        time_phases: time those phases; each run's totals land in last_run_phases (with "host",
+        the rest of the loop: bookkeeping, stop checks, reading results back)."""
         if verify_impl not in IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {verify_impl!r}")
         self.gamma_controller: GammaController | None = None
@@ -74,14 +77,16 @@ class Engine:
                 eos_token_ids = (tokenizer.eos_token_id,)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.verify_impl = verify_impl
-        self.nvtx = nvtx
+        self.phases = Phases(nvtx, time_phases)
+        self.last_run_phases: dict[str, float] | None = None
         self.last_run_stats: DecodeStats | None = None
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
                         gamma: int | str = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
                         max_seq_len: int | None = None, verify_impl: str = "auto", max_gamma: int = 8,
-                        nvtx: bool = False, weight_dtype: str | torch.dtype | None = None) -> "Engine":
+                        nvtx: bool = False, weight_dtype: str | torch.dtype | None = None,
+                        time_phases: bool = False) -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders.
 
         dtype is the compute dtype; weight_dtype the matrices' storage (see models.load_model:
@@ -111,7 +116,7 @@ class Engine:
             check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
             chosen = ModelDrafter(draft_model, target_model.config.vocab_size, len(tokenizer))
         return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl, max_gamma=max_gamma,
-                   nvtx=nvtx)
+                   nvtx=nvtx, time_phases=time_phases)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -202,12 +207,14 @@ class Engine:
         capacity = min(self.max_seq_len, max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in requests))
         prompts = [r.prompt_token_ids for r in requests]
         cache = self.target.new_cache(len(requests), capacity)
-        # The cache holds everything but each sequence's last token, which the next round feeds.
-        feed(self.target, cache, [p[:-1] for p in prompts])
+        self.phases.reset()
+        with self.phases("prefill"):
+            # The cache holds everything but each sequence's last token, which the next round feeds.
+            feed(self.target, cache, [p[:-1] for p in prompts])
+            if self.drafter is not None:
+                self.drafter.start(prompts, capacity)
         for r in requests:
             r.stats.target_calls += len(r.prompt_token_ids) > 1
-        if self.drafter is not None:
-            self.drafter.start(prompts, capacity)
         active = list(requests)
         sampling = SamplingBatch.from_params([r.params for r in active], [r.seed for r in active], device)
 
@@ -216,7 +223,7 @@ class Engine:
             gamma = self._round_gamma(active)
             budgets = [min(gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
                        for r, s in zip(active, sequences)]
-            with nvtx_range("draft", self.nvtx):
+            with self.phases("draft"):
                 proposal = self._propose(sequences, budgets, sampling, device)
             # Verification also advances both caches' lengths: that is the whole rollback.
             emitted, num_emitted = self._verify_round(cache, sequences, proposal, sampling)
@@ -240,7 +247,10 @@ class Engine:
                     sampling = sampling.select(keep)
                     if self.drafter is not None:
                         self.drafter.keep_rows(keep)
-        self.last_run_stats = DecodeStats.combine([r.stats for r in requests], time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        self.last_run_stats = DecodeStats.combine([r.stats for r in requests], wall)
+        if self.phases.timed:
+            self.last_run_phases = dict(self.phases.seconds, host=wall - sum(self.phases.seconds.values()), total=wall)
 
     def _round_gamma(self, active: list[Request]) -> int:
         if self.gamma_controller is None:
@@ -259,13 +269,13 @@ class Engine:
         inputs = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, G+1]
         G1 = inputs.shape[1]
         lengths = [len(s) for s in sequences]
-        with nvtx_range("verify", self.nvtx):
+        with self.phases("verify"):
             hidden = self.target(inputs, cache.lengths.clone(), cache, kv_len=max(lengths) - 1 + G1)
             logits = self.target.logits(hidden)  # [B, G+1, V]
         check_logits("target", logits)
         # Token i of this round lands at absolute position len(sequence) + i: its uniforms' key.
         draft_lengths = self.drafter.cache_lengths if self.drafter is not None else None
-        with nvtx_range("accept", self.nvtx):
+        with self.phases("accept"):
             return verify(
                 logits, proposal.logits, proposal.tokens, proposal.num_drafts, sampling.temperature, sampling.top_k,
                 sampling.top_p, sampling.min_p, sampling.seeds, torch.tensor(lengths, device=device),

@@ -4,8 +4,8 @@ A decode step streams every weight once; on a CPU that is most of its time. A bf
 checkpoint kept in bfloat16 is half the bytes of an upcast float32 copy, and widening
 bfloat16 to float32 is exact, so the products equal float32 ones up to summation order.
 
-  "cpp"        specengine._C.linear_bf16_weight (AVX2/FMA where the CPU has it, OpenMP over columns)
-  "portable"   the same op through its plain C++ loop (what CPUs without AVX2/FMA run)
+  "cpp"        specengine._C.linear_bf16_weight (AVX2/FMA where the CPU has it, else a plain
+               C++ loop; OpenMP over columns)
   "reference"  F.linear on the weight upcast to float32 (the oracle)
   "auto"       cpp
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IMPLEMENTATIONS = ("auto", "cpp", "portable", "reference")
+IMPLEMENTATIONS = ("auto", "cpp", "reference")
 
 
 def _check(cond: bool, message: str):
@@ -44,11 +44,10 @@ def linear_bf16_weight(
         bias = bias.contiguous()
     if impl == "reference":
         return F.linear(x, weight.float(), bias)
-    return linear_bf16_weight_cpp(x, weight, bias, portable=impl == "portable")
+    return linear_bf16_weight_cpp(x, weight, bias)
 
 
-def linear_bf16_weight_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           portable: bool = False) -> torch.Tensor:
+def linear_bf16_weight_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The C++ op without argument checks, for model layers whose weights the loader already
     checked (the checks cost more than the product of a small layer). Same contract as above."""
     from .. import _C
@@ -59,5 +58,5 @@ def linear_bf16_weight_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     K, N = x.shape[-1], weight.shape[0]
     out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
     _C.linear_bf16_weight(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                          x.numel() // K, K, N, portable)
+                          x.numel() // K, K, N)
     return out
