@@ -26,6 +26,8 @@ class ModelDrafter:
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V_draft] -> [B, V_target], -inf on ids the draft must not propose."""
+        if logits.shape[-1] == self.vocab_size == self.num_real_tokens:
+            return logits  # one vocabulary, every id a real token: nothing to mask
         out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         out[:, : self.num_real_tokens] = logits[:, : self.num_real_tokens]
         return out
