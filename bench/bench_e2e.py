@@ -128,7 +128,7 @@ def main():
     def run(cfg: Config, rep: int, limit: int | None = None) -> dict:
         chosen = prompts[: limit or len(prompts)]
         batches = [chosen[i: i + cfg.batch] for i in range(0, len(chosen), cfg.batch)]
-        outputs, stats, phases = [], [], {}
+        outputs, stats, phases, batch_rounds = [], [], {}, 0
         t0 = time.perf_counter()
         for i, batch in enumerate(batches):
             if cfg.kind == "hf":
@@ -143,6 +143,7 @@ def main():
                 e = spec_engine(cfg)
                 outputs += [r.token_ids for r in e.generate(batch, params)]
                 stats.append(e.last_run_stats)
+                batch_rounds += e.last_run_rounds
                 for name, sec in e.last_run_phases.items():
                     phases[name] = phases.get(name, 0.0) + sec
         seconds = time.perf_counter() - t0
@@ -153,7 +154,7 @@ def main():
             run_stats.update(alpha=accepted / tested if tested else None,
                              tokens_per_call=sum(s.generated_tokens for s in stats) / sum(s.rounds for s in stats),
                              histogram=[sum(h) for h in zip(*(s.accepted_histogram for s in stats))],
-                             rounds=sum(s.rounds for s in stats), phases=phases)
+                             batch_rounds=batch_rounds, phases=phases)
         return run_stats
 
     # Warm-up (every configuration once, on one prompt), then interleaved repeats.
@@ -191,8 +192,8 @@ def main():
         if cfg.kind == "spec":
             run_ = sorted(cfg.runs, key=lambda r: r["seconds"])[len(cfg.runs) // 2]
             ph = run_["phases"]
-            profile = dict(round_ms=round(1e3 * (ph["total"] - ph["prefill"]) / run_["rounds"], 2),
-                           **{f"{k}_ms_per_round": round(1e3 * ph[k] / run_["rounds"], 2)
+            profile = dict(round_ms=round(1e3 * (ph["total"] - ph["prefill"]) / run_["batch_rounds"], 2),
+                           **{f"{k}_ms_per_round": round(1e3 * ph[k] / run_["batch_rounds"], 2)
                               for k in ("draft", "verify", "accept", "host")},
                            prefill_share=round(ph["prefill"] / ph["total"], 3))
         row = dict(machine=machine, date=date, torch=torch.__version__, config=cfg.name, kind=cfg.kind, batch=B,

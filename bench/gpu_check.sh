@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU run, in one script: on a CUDA machine without internet (torch, triton, transformers and
 # pybind11 preinstalled) it installs specengine without dependencies, runs the GPU tests (Triton
-# compiled, not interpreted) and the verify-kernel benchmark, and writes logs and CSVs to $OUT
-# (./gpu-results when unset). Budget: under 8 minutes.
+# compiled, not interpreted), the verify-kernel benchmark and the step-cost benchmark (the shipped
+# pair's costs, alpha and time per round by phase on the GPU, and a ~1B memory-bound target's
+# costs fed into Theorem 3.8), and writes logs, CSVs and JSON to $OUT (./gpu-results when unset).
+# Budget: under 8 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-results}"
@@ -23,11 +25,14 @@ fi
 
 # GPU tests: the Triton kernel compiled against the reference (exact, statistical, invariants,
 # no recompilation), and greedy decoding on CUDA equal to CPU decoding.
-timeout 300 python -m pytest -q -rs tests/test_verify_kernels.py tests/test_engine_greedy.py \
+timeout 210 python -m pytest -q -rs tests/test_verify_kernels.py tests/test_engine_greedy.py \
   --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-timeout 240 python bench/bench_verify.py --out "$OUT/verify-gpu.csv" 2>&1 | tee "$OUT/bench-verify.log"
+timeout 150 python bench/bench_verify.py --out "$OUT/verify-gpu.csv" 2>&1 | tee "$OUT/bench-verify.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+timeout 90 python bench/bench_costs.py --device cuda --out "$OUT/costs-gpu.json" 2>&1 | tee "$OUT/bench-costs.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "results in $OUT (status $status)"

@@ -240,10 +240,12 @@ def test_timed_phases_add_up_to_the_run():
     untimed.generate([[1, 2]], params)
     assert untimed.last_run_phases is None
     engine = Engine(target, drafter=ModelDrafter(target, 32, 32), gamma=2, time_phases=True)
-    engine.generate([[1, 2], [3, 4, 5]], params)
+    results = engine.generate([[1, 2], [3, 4, 5]], params)
     phases = engine.last_run_phases
     assert set(phases) == {"prefill", "draft", "verify", "accept", "host", "total"}
     assert all(phases[k] > 0 for k in ("prefill", "draft", "verify", "accept"))
     assert phases["host"] >= 0
     parts = sum(v for k, v in phases.items() if k != "total")
     assert parts == pytest.approx(phases["total"]) and phases["total"] == engine.last_run_stats.wall_time_s
+    # Two rows decode side by side: the batch's rounds are the longer row's, not their sum.
+    assert engine.last_run_rounds == max(r.stats.rounds for r in results)

@@ -46,7 +46,8 @@ class Engine:
         verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch).
         nvtx: mark the prefill, draft, verify (target forward) and accept phases for Nsight Systems.
         time_phases: time those phases; each run's totals land in last_run_phases (with "host",
-        the rest of the loop: bookkeeping, stop checks, reading results back)."""
+        the rest of the loop: bookkeeping, stop checks, reading results back), over
+        last_run_rounds rounds of the batch."""
         if verify_impl not in IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {verify_impl!r}")
         self.gamma_controller: GammaController | None = None
@@ -80,6 +81,7 @@ class Engine:
         self.phases = Phases(nvtx, time_phases)
         self.last_run_phases: dict[str, float] | None = None
         self.last_run_stats: DecodeStats | None = None
+        self.last_run_rounds = 0  # rounds of the whole batch (loop iterations) in the last run
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
@@ -218,7 +220,9 @@ class Engine:
         active = list(requests)
         sampling = SamplingBatch.from_params([r.params for r in active], [r.seed for r in active], device)
 
+        self.last_run_rounds = 0
         while active:
+            self.last_run_rounds += 1
             sequences = [r.tokens for r in active]
             gamma = self._round_gamma(active)
             budgets = [min(gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)

@@ -1,5 +1,6 @@
 from .config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
 from .llama import LlamaForCausalLM
-from .loader import CheckpointError, load_model
+from .loader import CheckpointError, empty_model, load_model
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "CheckpointError", "ConfigError", "LlamaForCausalLM", "ModelConfig", "load_model"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "CheckpointError", "ConfigError", "LlamaForCausalLM", "ModelConfig", "empty_model",
+           "load_model"]

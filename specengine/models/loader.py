@@ -76,6 +76,23 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}{hint}")
 
 
+def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+                weight_dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
+    """The model of `cfg` with uninitialised weights in the dtypes load_model would give them."""
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    matrix_dtype = resolve_weight_dtype(weight_dtype, torch_dtype, cfg, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(torch_dtype)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.data = module.weight.data.to(matrix_dtype)
+    if cfg.tie_word_embeddings:  # to_empty allocates each module's parameters apart: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                weight_dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
     """dtype: the compute dtype (None: float32 on CPU, the checkpoint's on GPU).
@@ -85,18 +102,8 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: st
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     cfg = ModelConfig.from_folder(folder)
     device = torch.device(device)
-    torch_dtype = resolve_dtype(dtype, cfg, device)
-    matrix_dtype = resolve_weight_dtype(weight_dtype, torch_dtype, cfg, device)
+    model = empty_model(cfg, device, dtype, weight_dtype)
     files = weight_files(folder)
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(torch_dtype)
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.data = module.weight.data.to(matrix_dtype)
-    if cfg.tie_word_embeddings:  # to_empty allocates each module's parameters apart: tie again
-        model.lm_head.weight = model.model.embed_tokens.weight
 
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
