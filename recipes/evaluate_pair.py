@@ -89,6 +89,20 @@ def model_card(name: str, r: dict) -> str:
     role = ("the target of specengine's shipped pair" if name == "pycode-target"
             else "the draft of specengine's shipped pair (trained half by distillation from pycode-target)")
     samples = "\n\n".join(f"```python\n{p}{t}\n```" for p, t in r["samples"].items())
+    distillation = ""
+    comparison = sorted((ROOT / "bench" / "results").glob("draft-loss-*.json"))
+    if name == "pycode-draft" and comparison:  # written by recipes/compare_draft_losses.py
+        c = json.loads(comparison[-1].read_text())
+        rows = "".join(f"| {k} | {v['train_tokens']:,} | {v['heldout_loss']:.3f} | {v['T=0']['alpha']:.3f} | "
+                       f"{v['T=1']['alpha']:.3f} |\n" for k, v in c["drafts"].items())
+        distillation = f"""
+## Why distillation ({c['date']}, {c['machine']}, `recipes/compare_draft_losses.py`)
+
+Same architecture, data stream and training time; alpha at gamma {c['gamma']} against pycode-target:
+
+| draft loss | training tokens | held-out loss | alpha T=0 | alpha T=1 |
+| --- | --- | --- | --- | --- |
+{rows}"""
     return f"""# {name}
 
 A small Llama-architecture Python-code completion model: {role}. Both share one byte-level BPE
@@ -117,9 +131,9 @@ gamma = {r['gamma']}, {r['prompts']} prompts of 48 tokens cut from held-out file
 | temperature | acceptance rate alpha | tokens per target call |
 | --- | --- | --- |
 """ + "".join(f"| {k[2:]} | {v['alpha']:.3f} | {v['tokens_per_target_call']:.2f} |\n" for k, v in r["alpha"].items()) + f"""
-One-token decode step (batch 1, float32): target {r['target_step_ms']:.2f} ms, draft {r['draft_step_ms']:.2f} ms,
+One-token decode step (batch 1, float32 compute on the bfloat16 weights): target {r['target_step_ms']:.2f} ms, draft {r['draft_step_ms']:.2f} ms,
 so c = {r['c']:.3f}.
-
+{distillation}
 ## Samples (greedy, specengine with gamma 4)
 
 {samples}
