@@ -1,9 +1,9 @@
 """gamma="auto" against the best fixed gammas on the shipped pair, batch 1: a short, targeted run.
 
-    python bench/check_auto_gamma.py [--prompts 8] [--new-tokens 128] [--repeats 2]
+    python bench/check_auto_gamma.py [--prompts 8] [--new-tokens 128] [--repeats 2] [--gammas 2 3]
 
 The full comparison is bench/bench_e2e.py (every gamma, batch 1 and 8, against HF); this
-reruns only gamma 2, 3 and "auto" at temperature 0 and 1, interleaved, median of the repeats,
+reruns only the best fixed gammas and "auto" at temperature 0 and 1, interleaved, median of the repeats,
 and writes bench/results/auto-gamma-<date>.csv with the measured step costs auto decided from.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--gammas", type=int, nargs="+", default=[2, 3])
     args = parser.parse_args()
     target_dir, draft_dir = shipped_pair()
     base = Engine.from_pretrained(target_dir)
@@ -40,7 +41,7 @@ def main():
           f"{[round(1e3 * t, 2) for t in costs.verify_s]} ms")
     engines = {g: Engine(target, tokenizer, ModelDrafter(draft, target.config.vocab_size, len(tokenizer)), gamma=g,
                          costs={1: costs} if g == "auto" else None)
-               for g in (2, 3, "auto")}
+               for g in [*args.gammas, "auto"]}
     rates: dict[tuple[float, int | str], list[float]] = {}
     for rep in range(args.repeats):
         for T in (0.0, 1.0):

@@ -103,6 +103,21 @@ def test_auto_gamma_with_perfect_draft_drafts_many_tokens():
     assert result.token_ids == Engine(target).generate([[1, 2, 3]], SamplingParams(max_new_tokens=60, temperature=0))[0].token_ids
 
 
+def test_new_requests_start_from_the_acceptance_of_finished_ones():
+    V = 48
+    target = tiny_model(V, seed=0, logit_scale=3.0)
+    costs = CostModel(0.05, tuple(1.0 + 0.02 * k for k in range(9)))
+    engine = Engine(target, drafter=ModelDrafter(target, V, V), gamma="auto", costs=costs)
+    assert engine.gamma_controller.new_estimate().alpha == pytest.approx(0.5)
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=40, temperature=0))
+    # A perfect draft: every test accepted, so the next request starts near alpha 1, not 0.5.
+    assert engine.gamma_controller.new_estimate().alpha > 0.9
+    useless = Engine(target, drafter=ModelDrafter(tiny_model(V, seed=7, num_layers=1, hidden_size=16), V, V),
+                     gamma="auto", costs=costs)
+    useless.generate([[1, 2, 3]], SamplingParams(max_new_tokens=40, temperature=0))
+    assert useless.gamma_controller.new_estimate().alpha < 0.5
+
+
 def test_auto_gamma_measures_costs_when_none_are_given():
     target = tiny_model(32, seed=0)
     engine = Engine(target, drafter=ModelDrafter(tiny_model(32, seed=1, num_layers=1), 32, 32), gamma="auto",

@@ -217,6 +217,9 @@ class Engine:
                 self.drafter.start(prompts, capacity)
         for r in requests:
             r.stats.target_calls += len(r.prompt_token_ids) > 1
+        if self.gamma_controller is not None:
+            for r in requests:
+                r.acceptance = self.gamma_controller.new_estimate()
         active = list(requests)
         sampling = SamplingBatch.from_params([r.params for r in active], [r.seed for r in active], device)
 
@@ -241,6 +244,8 @@ class Engine:
                 self._append(r, row[:count], capacity)
                 if r.finish_reason is not None:
                     r.stats.wall_time_s = time.perf_counter() - t0
+                    if self.gamma_controller is not None:
+                        self.gamma_controller.observe_finished(r.stats.accepted, r.stats.rejections)
             yield requests
 
             keep = [i for i, r in enumerate(active) if r.finish_reason is None]

@@ -89,10 +89,24 @@ class GammaController:
 
     PROBE_EVERY = 16  # rounds at gamma 0 before drafting one token again to re-measure alpha
 
+    PRIOR_WEIGHT = 2.0  # a new request's estimate starts worth two draft tests
+
     def __init__(self, costs: CostModel | dict[int, CostModel]):
         self.costs_by_batch = costs if isinstance(costs, dict) else {1: costs}
         if not self.costs_by_batch or len({c.max_gamma for c in self.costs_by_batch.values()}) != 1:
             raise ValueError("cost models must cover the same gammas")
+        # Acceptance over finished requests (halved per request): where a new request's estimate
+        # starts, so it does not spend its first rounds drafting for alpha = 0.5.
+        self.finished = AcceptanceEstimate(decay=0.5)
+
+    def new_estimate(self) -> AcceptanceEstimate:
+        alpha = self.finished.alpha
+        return AcceptanceEstimate(accepted=self.PRIOR_WEIGHT * alpha, rejected=self.PRIOR_WEIGHT * (1 - alpha))
+
+    def observe_finished(self, accepted: int, rejections: int):
+        """Fold a finished request's accepted drafts and rejections into the prior of the next ones."""
+        if accepted + rejections:
+            self.finished.update(accepted, rejections)
 
     @property
     def max_gamma(self) -> int:
