@@ -86,19 +86,18 @@ void load_row(float* x, const void* base, LogitDtype dtype, int64_t offset, int6
 // to the last bit of exp and the order of the sums).
 int64_t first_argmax_portable(const float* x, int64_t V) { return std::max_element(x, x + V) - x; }
 
-double exp_below_threshold_portable(float* x, int64_t V, float kth) {
+// x[v] = x[v] >= threshold ? f(x[v]) : 0, returning the sum, where f is exp (kExp, used on
+// scaled logits <= 0 with the top-k threshold) or the identity (probabilities and the top-p /
+// min-p floor). Both warp passes are this one mask-map-sum.
+template <bool kExp>
+double keep_at_least_portable(float* x, int64_t V, float threshold) {
   double z = 0.0;
   for (int64_t v = 0; v < V; ++v) {
-    x[v] = x[v] >= kth ? std::exp(x[v]) : 0.f;
-    z += x[v];
-  }
-  return z;
-}
-
-double zero_below_floor_portable(float* x, int64_t V, float floor_prob) {
-  double z = 0.0;
-  for (int64_t v = 0; v < V; ++v) {
-    if (x[v] < floor_prob) x[v] = 0.f;
+    if constexpr (kExp) {
+      x[v] = x[v] >= threshold ? std::exp(x[v]) : 0.f;
+    } else {
+      x[v] = x[v] >= threshold ? x[v] : 0.f;
+    }
     z += x[v];
   }
   return z;
@@ -159,30 +158,20 @@ SPECENGINE_AVX2 int64_t first_argmax_avx2(const float* x, int64_t V) {
   return first_argmax_portable(x, V);  // only for NaN rows, which the host rejects
 }
 
-SPECENGINE_AVX2 double exp_below_threshold_avx2(float* x, int64_t V, float kth) {
+template <bool kExp>
+SPECENGINE_AVX2 double keep_at_least_avx2(float* x, int64_t V, float threshold) {
   const int64_t V8 = V & ~int64_t{7};
-  const __m256 threshold = _mm256_set1_ps(kth);
+  const __m256 threshold_v = _mm256_set1_ps(threshold);
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   for (int64_t v = 0; v < V8; v += 8) {
     const __m256 xv = _mm256_loadu_ps(x + v);
-    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(xv, threshold, _CMP_GE_OQ), exp_nonpositive(xv));
-    _mm256_storeu_ps(x + v, e);
-    accumulate(lo, hi, e);
-  }
-  return sum_as_double(lo, hi) + exp_below_threshold_portable(x + V8, V - V8, kth);
-}
-
-SPECENGINE_AVX2 double zero_below_floor_avx2(float* x, int64_t V, float floor_prob) {
-  const int64_t V8 = V & ~int64_t{7};
-  const __m256 floor_v = _mm256_set1_ps(floor_prob);
-  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
-  for (int64_t v = 0; v < V8; v += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + v);
-    const __m256 kept = _mm256_and_ps(_mm256_cmp_ps(xv, floor_v, _CMP_GE_OQ), xv);
+    __m256 value = xv;
+    if constexpr (kExp) value = exp_nonpositive(xv);
+    const __m256 kept = _mm256_and_ps(_mm256_cmp_ps(xv, threshold_v, _CMP_GE_OQ), value);
     _mm256_storeu_ps(x + v, kept);
     accumulate(lo, hi, kept);
   }
-  return sum_as_double(lo, hi) + zero_below_floor_portable(x + V8, V - V8, floor_prob);
+  return sum_as_double(lo, hi) + keep_at_least_portable<kExp>(x + V8, V - V8, threshold);
 }
 #endif
 
@@ -193,20 +182,12 @@ int64_t first_argmax(const float* x, int64_t V) {
   return first_argmax_portable(x, V);
 }
 
-// x[v] = x[v] >= kth ? exp(x[v]) : 0 (x <= 0 here); returns the sum.
-double exp_below_threshold(float* x, int64_t V, float kth) {
+template <bool kExp>
+double keep_at_least(float* x, int64_t V, float threshold) {
 #ifdef SPECENGINE_X86
-  if (use_avx2()) return exp_below_threshold_avx2(x, V, kth);
+  if (use_avx2()) return keep_at_least_avx2<kExp>(x, V, threshold);
 #endif
-  return exp_below_threshold_portable(x, V, kth);
-}
-
-// x[v] = x[v] < floor_prob ? 0 : x[v]; returns the sum.
-double zero_below_floor(float* x, int64_t V, float floor_prob) {
-#ifdef SPECENGINE_X86
-  if (use_avx2()) return zero_below_floor_avx2(x, V, floor_prob);
-#endif
-  return zero_below_floor_portable(x, V, floor_prob);
+  return keep_at_least_portable<kExp>(x, V, threshold);
 }
 
 void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int64_t V, float temperature,
@@ -226,7 +207,7 @@ void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int
     std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(), std::greater<float>());
     kth = scratch[top_k - 1];
   }
-  const float z1 = static_cast<float>(exp_below_threshold(x.data(), V, kth));
+  const float z1 = static_cast<float>(keep_at_least<true>(x.data(), V, kth));
   for (int64_t v = 0; v < V; ++v) x[v] /= z1;
   float floor_prob = 0.f;
   if (top_p < 1.f) {
@@ -247,7 +228,7 @@ void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int
     }
   }
   if (min_p > 0.f) floor_prob = std::max(floor_prob, min_p * (1.f / z1));
-  const float total = static_cast<float>(zero_below_floor(x.data(), V, floor_prob));
+  const float total = static_cast<float>(keep_at_least<false>(x.data(), V, floor_prob));
   for (int64_t v = 0; v < V; ++v) x[v] /= total;
 }
 
