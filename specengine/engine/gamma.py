@@ -159,9 +159,10 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
         return _median_seconds(call, reps)
 
     def sample(logits):
-        rows = logits.shape[0]
-        ones = torch.ones(rows, device=logits.device)
-        probs = warp_probs(logits, ones, torch.zeros(rows, dtype=torch.int64, device=logits.device), ones, 0 * ones)
+        rows, device = logits.shape[0], logits.device
+        ones, zeros = torch.ones(rows, device=device), torch.zeros(rows, device=device)
+        # temperature 1, no top-k / top-p / min-p: the softmax path every sampled row takes
+        probs = warp_probs(logits, ones, zeros.long(), ones, zeros)
         sample_from_probs(probs, 0.5 * ones)
 
     verify = tuple(step_time(target, k) for k in range(1, max_gamma + 2))
