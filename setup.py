@@ -9,7 +9,7 @@ from setuptools import setup
 ext_modules = [
     Pybind11Extension(
         "specengine._C",
-        sources=["csrc/bindings.cpp", "csrc/linear.cpp", "csrc/ngram.cpp", "csrc/verify.cpp"],
+        sources=["csrc/layers.cpp", "csrc/bindings.cpp", "csrc/linear.cpp", "csrc/ngram.cpp", "csrc/verify.cpp"],
         cxx_std=17,
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],

@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 
+#include "layers.h"
 #include "cpu_features.h"
 #include "linear.h"
 #include "ngram.h"
@@ -89,6 +90,30 @@ void linear_bf16_weight_py(uintptr_t x, uintptr_t weight, uintptr_t bias, uintpt
                                  ptr<float>(out), R, K, N);
 }
 
+// Raw data pointers of CPU tensors, validated by specengine/ops/attention.py (never call directly).
+void cached_attention_py(uintptr_t q, uintptr_t k, uintptr_t v, int64_t q_token_stride, int64_t k_token_stride,
+                         int64_t v_token_stride, uintptr_t cos, uintptr_t sin, uintptr_t positions,
+                         uintptr_t cache_k, uintptr_t cache_v, uintptr_t out, int64_t B, int64_t T, int64_t H,
+                         int64_t Hkv, int64_t D, int64_t capacity, int64_t cache_row_stride, int64_t kv_len,
+                         int64_t window) {
+  if (B < 0 || T < 0 || H < 1 || Hkv < 1 || H % Hkv != 0 || D < 1 || capacity < 1 || kv_len < 1 ||
+      kv_len > capacity || window < 0 || q_token_stride < H * D || k_token_stride < Hkv * D ||
+      v_token_stride < Hkv * D)
+    throw std::invalid_argument("cached_attention: inconsistent sizes");
+  py::gil_scoped_release release;
+  specengine::cached_attention(ptr<const float>(q), ptr<const float>(k), ptr<const float>(v), q_token_stride,
+                               k_token_stride, v_token_stride, ptr<const float>(cos),
+                               ptr<const float>(sin), ptr<const int64_t>(positions), ptr<float>(cache_k),
+                               ptr<float>(cache_v), ptr<float>(out), B, T, H, Hkv, D, capacity, cache_row_stride,
+                               kv_len, window);
+}
+
+// Raw data pointers of CPU tensors, validated by specengine/ops/norm.py (never call directly).
+void rms_norm_py(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t R, int64_t N, double eps) {
+  if (R < 0 || N < 1) throw std::invalid_argument("rms_norm: need R >= 0 and N >= 1");
+  specengine::rms_norm(ptr<const float>(x), ptr<const float>(weight), ptr<float>(out), R, N, static_cast<float>(eps));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -107,6 +132,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear_bf16_weight", &linear_bf16_weight_py,
         "out [R, N] = x [R, K] float32 @ weight [N, K] bfloat16 ^T + bias (use specengine.ops.linear).",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("R"), py::arg("K"), py::arg("N"));
+  m.def("cached_attention", &cached_attention_py,
+        "Rotary, KV-cache write and attention of one layer on CPU tensors (use specengine.ops.attention).",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_token_stride"), py::arg("k_token_stride"),
+        py::arg("v_token_stride"), py::arg("cos"), py::arg("sin"), py::arg("positions"),
+        py::arg("cache_k"), py::arg("cache_v"), py::arg("out"), py::arg("B"), py::arg("T"), py::arg("H"),
+        py::arg("Hkv"), py::arg("D"), py::arg("capacity"), py::arg("cache_row_stride"), py::arg("kv_len"),
+        py::arg("window"));
+  m.def("rms_norm", &rms_norm_py, "Llama RMSNorm of float32 rows (use specengine.ops.norm).",
+        py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("R"), py::arg("N"), py::arg("eps"));
   m.def("set_portable_kernels", [](bool on) { specengine::force_portable() = on; }, py::arg("on"),
         "Run the portable C++ loops even where the CPU has AVX2/FMA (tests of those paths).");
   m.def("uses_avx2", &specengine::use_avx2, "Whether the C++ ops take their AVX2/FMA paths now.");

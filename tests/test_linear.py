@@ -84,11 +84,11 @@ def test_bfloat16_checkpoints_keep_bfloat16_matrices_and_match_transformers(case
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ours = load_model(tmp_path)
     assert ours.dtype == torch.float32
-    assert ours.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert ours.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
     assert ours.model.layers[0].input_layernorm.weight.dtype == torch.float32
     upcast = load_model(tmp_path, weight_dtype="float32")
-    assert upcast.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    assert upcast.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
     tokens = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
     with torch.no_grad():
         want = hf(tokens).logits
@@ -102,6 +102,6 @@ def test_weight_dtype_combinations_that_are_not_supported_are_named(checkpoint):
     with pytest.raises(ValueError, match="weight_dtype"):
         load_model(folder, dtype="bfloat16", weight_dtype="float32")
     # A float32 checkpoint stays float32 unless asked otherwise.
-    assert load_model(folder).model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    assert load_model(folder).model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     narrowed = load_model(folder, weight_dtype="bfloat16")
-    assert narrowed.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert narrowed.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16

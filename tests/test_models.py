@@ -9,6 +9,15 @@ from specengine.models import load_model
 from conftest import ARCH_CASES
 
 ATOL = 2e-5
+# Our float32 CPU forward runs specengine._C's fused layer ops; the torch ops are the path of every
+# other device and dtype, and the reference of those ops. Both must match transformers.
+LAYER_OPS = pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpp-ops", "torch-ops"])
+
+
+def load(folder, cpu_kernels: bool):
+    model = load_model(folder)
+    model.cpu_kernels = cpu_kernels
+    return model
 
 
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
@@ -22,11 +31,12 @@ def sequences():
     return [torch.randint(0, 97, (n,), generator=g).tolist() for n in (14, 6, 10)]
 
 
+@LAYER_OPS
 @pytest.mark.parametrize("case", list(ARCH_CASES))
-def test_prefill_matches_transformers_on_ragged_batch(case, checkpoint, sequences):
+def test_prefill_matches_transformers_on_ragged_batch(case, cpu_kernels, checkpoint, sequences):
     folder = checkpoint(case)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ours = load_model(folder)
+    ours = load(folder, cpu_kernels)
     B, T = len(sequences), max(map(len, sequences))
     tokens = torch.zeros(B, T, dtype=torch.int64)
     for b, s in enumerate(sequences):
@@ -38,13 +48,14 @@ def test_prefill_matches_transformers_on_ragged_batch(case, checkpoint, sequence
         torch.testing.assert_close(logits[b, : len(s)], hf_logits(hf, s), atol=ATOL, rtol=0)
 
 
+@LAYER_OPS
 @pytest.mark.parametrize("case", list(ARCH_CASES))
-def test_step_by_step_decoding_with_rollback_matches_transformers(case, checkpoint, sequences):
+def test_step_by_step_decoding_with_rollback_matches_transformers(case, cpu_kernels, checkpoint, sequences):
     """Rows of different lengths decode one token, then a 3-token chunk, then roll back and
     re-decode other tokens over the stale cache entries: every logit equals a fresh HF forward."""
     folder = checkpoint(case)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ours = load_model(folder)
+    ours = load(folder, cpu_kernels)
     prefixes = [s[:-4] for s in sequences]
     cache = ours.new_cache(len(sequences), 32)
     with torch.no_grad():

@@ -28,16 +28,9 @@ class StaticKVCache:
         """[B] int64, the valid prefix of each row in use (a view: update it in place)."""
         return self._lengths[: self.batch_size]
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """positions [B, T] int64; k, v [B, T, Hkv, D]. Positions >= capacity go to the spill slot."""
-        slots = positions.clamp(max=self.capacity)
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        self.k[layer][rows, slots] = k
-        self.v[layer][rows, slots] = v
-
-    def read(self, layer: int, kv_len: int):
-        """k, v [B, kv_len, Hkv, D] views of the rows in use."""
-        return self.k[layer, : self.batch_size, :kv_len], self.v[layer, : self.batch_size, :kv_len]
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of one layer, [allocated rows, capacity + 1, Hkv, D] each; the rows in use come first."""
+        return self.k[layer], self.v[layer]
 
     def keep_rows(self, rows: list[int]):
         """Move the listed rows (in order) to the front and forget the others (finished requests)."""

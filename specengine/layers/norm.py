@@ -1,17 +1,19 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ..ops.norm import rms_norm_cpp, rms_norm_reference
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32, round to the input dtype, then scale (as transformers)."""
+    """Llama RMSNorm (see ops.norm). cpu_kernels: the caller allows the C++ op, which is taken for
+    float32 on a CPU (the model decides once per forward, see LlamaForCausalLM.cpu_kernels)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm computes in float32 for low-precision inputs and is one op instead of six;
-        # the weight is applied after rounding, as transformers does.
-        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+    def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
+        if cpu_kernels and self.weight.dtype == torch.float32:
+            return rms_norm_cpp(x, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)

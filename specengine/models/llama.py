@@ -1,10 +1,13 @@
 """One decoder-only Llama-family model: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2, Qwen3.
 
 Forward takes tokens [B, T] and per-row start positions [B], writes K/V into a static
-cache at those positions and lets each row attend only to its own prefix. The module
-names match transformers', so checkpoint keys load one to one.
+cache at those positions and lets each row attend only to its own prefix. Module names
+match transformers', except that q/k/v and gate/up are packed into one matrix each
+(checkpoint_tensors maps the checkpoint's names onto their rows).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,18 +16,33 @@ from torch import nn
 from ..layers.kv_cache import StaticKVCache
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
-from ..layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from ..layers.rotary import rope_cos_sin, rope_inv_freq
+from ..ops.attention import attention_mask, cached_attention_cpp, cached_attention_reference
 from .config import ModelConfig
+
+
+@dataclass
+class StepInputs:
+    """What every layer of one forward shares."""
+
+    positions: torch.Tensor   # [B, T] int64, absolute position of each token
+    cos: torch.Tensor         # [B, T, head_dim] rotary tables at those positions
+    sin: torch.Tensor         # [B, T, head_dim]
+    kv_len: int               # cache keys a query may see (max position + 1, clipped to capacity)
+    cpu_kernels: bool         # take specengine._C's fused float32 CPU ops
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the torch attention (None with cpu_kernels)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.sliding_window = cfg.sliding_window
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        # q, k and v in one matrix: one product per step instead of three (checkpoints keep
+        # q_proj, k_proj and v_proj; the loader writes them into their rows, see checkpoint_tensors).
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -32,33 +50,37 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, positions, mask, cache: StaticKVCache, kv_len: int):
-        # x [B, T, D]; cos, sin [B, T, head_dim]; positions [B, T]; mask [B, 1, T, kv_len] bool
+    def forward(self, x: torch.Tensor, step: StepInputs, cache: StaticKVCache) -> torch.Tensor:
+        # x [B, T, hidden]
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        # Views of the packed output: the C++ op reads the three column blocks in place.
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer_idx, positions, k, v)
-        keys, values = cache.read(self.layer_idx, kv_len)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            q, k = self.q_norm(q, step.cpu_kernels), self.k_norm(k, step.cpu_kernels)
+        cache_k, cache_v = cache.layer(self.layer_idx)
+        if step.cpu_kernels:
+            out = cached_attention_cpp(q, k, v, step.cos, step.sin, step.positions, cache_k, cache_v, step.kv_len,
+                                       self.sliding_window)
+        else:
+            out = cached_attention_reference(q, k, v, step.cos, step.sin, step.positions, cache_k, cache_v,
+                                             step.kv_len, step.mask)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.intermediate_size = cfg.intermediate_size
+        # gate and up in one matrix (checkpoints keep gate_proj and up_proj, see checkpoint_tensors).
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -69,9 +91,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, mask, cache, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, kv_len)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, step: StepInputs, cache: StaticKVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x, step.cpu_kernels), step, cache)
+        return x + self.mlp(self.post_attention_layernorm(x, step.cpu_kernels))
 
 
 class Backbone(nn.Module):
@@ -92,6 +114,30 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Kept out of the module's buffers so that model.to(bfloat16) cannot round it.
         self._inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        # Fused C++ ops (RMSNorm; rotary, cache write and attention) for float32 inference on a
+        # CPU, where the torch ops' dispatch was most of a small model's decode step. They have
+        # no autograd, so a forward with gradients enabled takes the torch ops. Tests switch
+        # this off to run the torch reference path on CPU.
+        self.cpu_kernels = True
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every weight a Hugging Face checkpoint of this model holds, by its name there, as the
+        tensor (or rows of a packed tensor) it loads into. With tied embeddings, lm_head.weight
+        is the embedding itself."""
+        tensors = dict(self.named_parameters(remove_duplicate=False))
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
+            # packed parameter -> (checkpoint name of its rows, first row, row count)
+            packed = {"self_attn.qkv_proj": [("self_attn.q_proj", 0, q), ("self_attn.k_proj", q, kv),
+                                             ("self_attn.v_proj", q + kv, kv)],
+                      "mlp.gate_up_proj": [("mlp.gate_proj", 0, inter), ("mlp.up_proj", inter, inter)]}
+            for packed_name, parts in packed.items():
+                for kind in ("weight", "bias"):
+                    full = tensors.pop(f"model.layers.{i}.{packed_name}.{kind}", None)
+                    for name, start, rows in parts if full is not None else ():
+                        tensors[f"model.layers.{i}.{name}.{kind}"] = full.narrow(0, start, rows)
+        return tensors
 
     @property
     def device(self) -> torch.device:
@@ -120,20 +166,19 @@ class LlamaForCausalLM(nn.Module):
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         kv_len = min(kv_len, cache.capacity)
-        key_pos = torch.arange(kv_len, device=tokens.device)
-        # Each query sees keys at or before its own position: the row's valid prefix plus the
-        # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
-        mask = key_pos <= positions[..., None]  # [B, T, kv_len]
-        if self.config.sliding_window is not None:
-            mask &= key_pos > positions[..., None] - self.config.sliding_window
-        mask = mask[:, None]
         if self._inv_freq.device != tokens.device:
             self._inv_freq = self._inv_freq.to(tokens.device)
         cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)
+        cpu_kernels = (self.cpu_kernels and tokens.device.type == "cpu" and self.dtype == torch.float32
+                       and not torch.is_grad_enabled())
+        # Each query sees keys at or before its own position: the row's valid prefix plus the
+        # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
+        mask = None if cpu_kernels else attention_mask(positions, kv_len, self.config.sliding_window)
+        step = StepInputs(positions, cos, sin, kv_len, cpu_kernels, mask)
         x = self.model.embed_tokens(tokens).to(self.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, mask, cache, kv_len)
-        return self.model.norm(x)
+            x = layer(x, step, cache)
+        return self.model.norm(x, cpu_kernels)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for hidden states [..., D]."""

@@ -105,7 +105,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: st
     model = empty_model(cfg, device, dtype, weight_dtype)
     files = weight_files(folder)
 
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = model.checkpoint_tensors()
     loaded: set[str] = set()
     unexpected: list[str] = []
     for path in files:

@@ -1,0 +1,29 @@
+#pragma once
+#include <cstdint>
+
+namespace specengine {
+
+// One attention layer's work after the q/k/v projections, for a batch of rows that each
+// append T tokens to their own region of a static KV cache (decoding, verification, prefill):
+//   1. rotate q and k (Llama rotate-half rotary embedding with the given cos/sin tables);
+//   2. write the rotated k and v into the cache at each token's position (positions at or past
+//      `capacity` go to the spill slot `capacity`, which no query reads);
+//   3. each query at position p attends, in float32, to cache keys j with j <= p, j < kv_len and
+//      (window > 0) j > p - window, with scale 1/sqrt(D); grouped heads share kv head h / (H / Hkv).
+// q [B, T, H, D], k and v [B, T, Hkv, D]: token (b, t) at (b * T + t) * {q,k,v}_token_stride, its
+// heads contiguous (so q, k and v may be column blocks of one packed projection's output).
+// cos and sin [B, T, D], positions [B, T] int64: contiguous.
+// cache_k, cache_v: one layer, row b at b * cache_row_stride, [capacity + 1, Hkv, D] per row.
+// out [B, T, H * D]. A query that sees no key (only padding past kv_len can) gets zeros.
+// The Python host wrapper (specengine/ops/attention.py) validates and allocates.
+void cached_attention(const float* q, const float* k, const float* v, int64_t q_token_stride,
+                      int64_t k_token_stride, int64_t v_token_stride, const float* cos, const float* sin,
+                      const int64_t* positions, float* cache_k, float* cache_v, float* out, int64_t B, int64_t T,
+                      int64_t H, int64_t Hkv, int64_t D, int64_t capacity, int64_t cache_row_stride, int64_t kv_len,
+                      int64_t window);
+
+// out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)) for rows r of x [R, N] float32 (Llama RMSNorm,
+// normalised first and then scaled, as transformers does). x, weight [N] and out contiguous.
+void rms_norm(const float* x, const float* weight, float* out, int64_t R, int64_t N, float eps);
+
+}  // namespace specengine

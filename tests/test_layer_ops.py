@@ -1,0 +1,137 @@
+"""The C++ decoder-layer ops (specengine.ops.attention, specengine.ops.norm) against their torch references."""
+import pytest
+import torch
+
+from specengine.layers.rotary import rope_cos_sin, rope_inv_freq
+from specengine.models.config import RopeConfig
+from specengine.ops.attention import cached_attention
+from specengine.ops.norm import rms_norm
+
+
+def attention_case(B, T, H, Hkv, D, capacity, starts, seed=0):
+    """Random q/k/v for T new tokens per row at positions starts[b] + t, over a cache whose
+    entries (including stale ones past each row's length) are random."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g)
+    k = torch.randn(B, T, Hkv, D, generator=g)
+    v = torch.randn(B, T, Hkv, D, generator=g)
+    positions = torch.tensor(starts)[:, None] + torch.arange(T)
+    cos, sin = rope_cos_sin(rope_inv_freq(RopeConfig(theta=10000.0), D), positions, torch.float32)
+    cache_k = torch.randn(B + 1, capacity + 1, Hkv, D, generator=g)  # one allocated row more than in use
+    cache_v = torch.randn(B + 1, capacity + 1, Hkv, D, generator=g)
+    return q, k, v, cos, sin, positions, cache_k, cache_v
+
+
+def run(impl, case, kv_len, window=None):
+    q, k, v, cos, sin, positions, cache_k, cache_v = (t.clone() for t in case)
+    out = cached_attention(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len, window, impl=impl)
+    return out, cache_k, cache_v
+
+
+SHAPES = [  # B, T, H, Hkv, D, capacity, starts
+    (1, 1, 4, 2, 8, 16, [7]),              # one decode step, grouped heads
+    (3, 1, 4, 4, 16, 40, [0, 17, 39]),     # ragged rows, one at the last slot
+    (2, 5, 6, 3, 48, 64, [3, 50]),         # a verification of 4 drafts + 1
+    (5, 9, 8, 1, 64, 32, [0, 4, 9, 1, 23]),  # gamma 8, multi-query attention
+    (1, 33, 2, 2, 4, 40, [0]),             # a prefill
+    (2, 4, 2, 1, 8, 10, [5, 8]),           # positions past the capacity (padding into the spill slot)
+]
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("B,T,H,Hkv,D,capacity,starts", SHAPES)
+def test_attention_matches_the_reference(B, T, H, Hkv, D, capacity, starts, window):
+    case = attention_case(B, T, H, Hkv, D, capacity, starts)
+    kv_len = min(max(starts) + T, capacity)
+    want, want_k, want_v = run("reference", case, kv_len, window)
+    got, got_k, got_v = run("cpp", case, kv_len, window)
+    positions = case[5]
+    seen = torch.arange(kv_len)
+    visible = (seen <= positions[..., None]) & (window is None or seen > positions[..., None] - (window or 0))
+    answered = visible.any(-1)  # [B, T]: only padding past kv_len can see no key (the reference gives NaN)
+    assert got.shape == want.shape == (B, T, H * D)
+    torch.testing.assert_close(got[answered], want[answered], atol=2e-6, rtol=2e-5)
+    assert torch.equal(got[~answered], torch.zeros_like(got[~answered]))
+    # The cache writes: values copied, keys rotated (the same arithmetic up to fused multiply-adds).
+    assert torch.equal(got_v, want_v)
+    torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=1e-6)
+
+
+def test_packed_projection_views_read_in_place():
+    """q, k and v as column blocks of one [B, T, N] projection output (how the model passes them)."""
+    B, T, H, Hkv, D = 3, 4, 4, 2, 8
+    case = attention_case(B, T, H, Hkv, D, 16, [0, 3, 9])
+    q, k, v = case[:3]
+    packed = torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1)
+    qv, kv, vv = packed.split((H * D, Hkv * D, Hkv * D), dim=-1)
+    views = (qv.view(B, T, H, D), kv.view(B, T, Hkv, D), vv.view(B, T, Hkv, D))
+    assert not views[0].is_contiguous()
+    want = run("cpp", case, 13)
+    got = run("cpp", (*views, *case[3:]), 13)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_one_visible_key_returns_its_value_exactly():
+    """Position 0 sees only itself: softmax over one key is 1, so the output is v, bit for bit;
+    at position 0 the rotary embedding is the identity, so the cached key is k."""
+    case = attention_case(2, 1, 4, 2, 8, 8, [0, 0])
+    q, k, v = case[:3]
+    out, cache_k, cache_v = run("cpp", case, 1)
+    assert torch.equal(out, v.repeat_interleave(2, dim=2).reshape(2, 1, -1))
+    assert torch.equal(cache_k[:2, 0], k[:, 0]) and torch.equal(cache_v[:2, 0], v[:, 0])
+
+
+def test_stale_entries_past_a_rows_length_are_never_read():
+    """Rolled-back drafts stay in the cache past each row's length: poisoning them with NaN must
+    not change any output (a query at position p reads keys 0..p only)."""
+    B, T, H, Hkv, D, capacity = 3, 2, 4, 2, 8, 24
+    starts = [2, 11, 6]
+    case = list(attention_case(B, T, H, Hkv, D, capacity, starts))
+    clean = run("cpp", case, 13)[0]
+    for b, start in enumerate(starts):
+        case[6][b, start + T:] = float("nan")
+        case[7][b, start + T:] = float("nan")
+    poisoned = run("cpp", case, 13)[0]
+    assert torch.equal(poisoned, clean)
+
+
+def test_attention_errors_name_the_problem():
+    case = attention_case(1, 2, 4, 2, 8, 8, [0])
+    q, k, v, cos, sin, positions, cache_k, cache_v = case
+    with pytest.raises(ValueError, match="kv_len must be in"):
+        cached_attention(*case, 9, impl="cpp")
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        cached_attention(q[:, :, :3], k, v, cos, sin, positions, cache_k, cache_v, 2, impl="cpp")
+    with pytest.raises(ValueError, match="float32 CPU"):
+        cached_attention(q.double(), k, v, cos, sin, positions, cache_k, cache_v, 2, impl="cpp")
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        cached_attention(q, k, v, cos, sin, positions - 5, cache_k, cache_v, 2, impl="cpp")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        cached_attention(*case, 2, impl="fast")
+
+
+@pytest.mark.parametrize("shape", [(1, 192), (3, 5, 512), (7, 1), (2, 33), (0, 8)])
+def test_rms_norm_matches_the_reference(shape):
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape, generator=g) * 3
+    weight = torch.randn(shape[-1], generator=g)
+    want = rms_norm(x, weight, 1e-6, impl="reference")
+    got = rms_norm(x, weight, 1e-6, impl="cpp")
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=2e-6)
+
+
+def test_rms_norm_exact_cases():
+    """Unit rows with eps 0 have rms 1 (out = weight exactly); a strided input is read correctly."""
+    weight = torch.randn(48)
+    assert torch.equal(rms_norm(torch.ones(3, 48), weight, 0.0, impl="cpp"), weight.expand(3, 48))
+    x = torch.randn(4, 96)[:, ::2]
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6, impl="cpp"), rms_norm(x, weight, 1e-6), atol=1e-6, rtol=2e-6)
+
+
+def test_rms_norm_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 8\]"):
+        rms_norm(torch.ones(2, 7), torch.ones(8), 1e-6, impl="cpp")
+    with pytest.raises(ValueError, match="float32 CPU"):
+        rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6, impl="cpp")
