@@ -290,13 +290,18 @@ void verify_row(const VerifyArgs& a, int64_t b, Warp& p, Warp& q, std::vector<fl
     if (a.planted_bug == PlantedBug::kWrongRow) warp_target(n + 1);
     auto q_prob = [&](int64_t v) { return a.draft_logits ? q.prob(v) : (v == x ? 1.f : 0.f); };
     auto residual = [&](int64_t v) { return std::max(0.f, p.prob(v) - q_prob(v)); };
-    double mass = 0.0;
-    for (int64_t v = 0; v < V; ++v) mass += residual(v);
-    token = mass > 0.0 ? sample(V, u, residual, a.planted_bug != PlantedBug::kNoRenormalisation)
-                       : sample(V, u, [&](int64_t v) { return p.prob(v); });
+    if (p.greedy && a.planted_bug == PlantedBug::kNone) {
+      token = p.argmax;  // p is one-hot on its argmax and x was not it: the residual is that one-hot
+    } else {
+      double mass = 0.0;
+      for (int64_t v = 0; v < V; ++v) mass += residual(v);
+      token = mass > 0.0 ? sample(V, u, residual, a.planted_bug != PlantedBug::kNoRenormalisation)
+                         : sample(V, u, [&](int64_t v) { return p.prob(v); });
+    }
   } else {
     warp_target(n);
-    token = sample(V, u, [&](int64_t v) { return p.prob(v); });
+    // Sampling a one-hot gives its index for every u in [0, 1): skip the two passes over V.
+    token = p.greedy ? p.argmax : sample(V, u, [&](int64_t v) { return p.prob(v); });
   }
   a.emitted[b * G1 + n] = token;
   for (int64_t i = n + 1; i < G1; ++i) a.emitted[b * G1 + i] = -1;

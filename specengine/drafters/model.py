@@ -5,9 +5,9 @@ import torch
 
 from ..engine.runner import feed
 from ..models.llama import LlamaForCausalLM
+from ..ops.verify import sample_warped
 from ..sampling.batch import SamplingBatch, check_logits
 from ..sampling.rng import STREAM_DRAFT, uniforms
-from ..sampling.warp import sample_from_probs, warp_probs
 from .base import Proposal
 
 
@@ -43,16 +43,19 @@ class ModelDrafter:
         tokens, all_logits = [], []
         for i in range(G):
             logits = self._fit_vocab(self.model.logits(hidden))
-            check_logits("draft", logits)
-            probs = warp_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-            token = sample_from_probs(probs, u[:, i])
+            token = sample_warped(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                                  u[:, i])
             tokens.append(token)
             all_logits.append(logits)
             if i + 1 < G:
                 hidden = self.model(token[:, None], self.cache.lengths.clone(), self.cache)[:, 0]
                 self.cache.lengths.add_(1)
+        all_logits = torch.stack(all_logits, 1)  # [B, G, V]
+        # Checked once per proposal: a broken row samples some id in [0, V) first, harmlessly,
+        # and nothing it drafted reaches verification.
+        check_logits("draft", all_logits)
         num = torch.tensor(budgets, dtype=torch.int64, device=device)
-        return Proposal(torch.stack(tokens, 1), num, torch.stack(all_logits, 1), draft_calls=G)
+        return Proposal(torch.stack(tokens, 1), num, all_logits, draft_calls=G)
 
     @property
     def cache_lengths(self) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling.warp import sample_from_probs, warp_probs
+from ..ops.verify import sample_warped
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -162,8 +162,7 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
         rows, device = logits.shape[0], logits.device
         ones, zeros = torch.ones(rows, device=device), torch.zeros(rows, device=device)
         # temperature 1, no top-k / top-p / min-p: the softmax path every sampled row takes
-        probs = warp_probs(logits, ones, zeros.long(), ones, zeros)
-        sample_from_probs(probs, 0.5 * ones)
+        sample_warped(logits, ones, zeros.long(), ones, zeros, 0.5 * ones)
 
     verify = tuple(step_time(target, k) for k in range(1, max_gamma + 2))
     return CostModel(step_time(draft, 1, then=sample) if draft is not None else 0.0, verify)

@@ -98,6 +98,43 @@ def verify(
     return emitted, counts
 
 
+def sample_warped(
+    logits: torch.Tensor,       # [B, V] float32 / bfloat16 / float16, last dim contiguous
+    temperature: torch.Tensor,  # [B] float32, 0 = greedy
+    top_k: torch.Tensor,        # [B] int64, 0 = off
+    top_p: torch.Tensor,        # [B] float32, 1 = off
+    min_p: torch.Tensor,        # [B] float32, 0 = off
+    u: torch.Tensor,            # [B] float32 in [0, 1), the inverse-CDF uniform of each row
+    impl: str = "auto",
+) -> torch.Tensor:
+    """One token per row [B] int64 from the warped distribution, as
+    sample_from_probs(warp_probs(logits, ...), u): a drafter's step.
+
+    It is the verify step of a round without drafts (whose one token is drawn from p with
+    u_sample), so it runs on the same fused kernels. Callers build the arguments themselves
+    (drafters, each step): only the shapes are checked here.
+    """
+    _check(logits.dim() == 2 and u.shape == logits.shape[:1], f"need logits [B, V] and u [B], got "
+                                                               f"{tuple(logits.shape)} and {tuple(u.shape)}")
+    if impl == "reference":
+        from ..sampling.warp import sample_from_probs, warp_probs
+
+        return sample_from_probs(warp_probs(logits, temperature, top_k, top_p, min_p), u)
+    B = logits.shape[0]
+    no_drafts = torch.zeros(B, 0, dtype=torch.int64, device=logits.device)
+    draft_counts = torch.zeros(B, dtype=torch.int64, device=logits.device)
+    u = u.to(torch.float32).reshape(B, 1).contiguous()
+    args = (logits[:, None], None, no_drafts, draft_counts, temperature, top_k, top_p, min_p, draft_counts,
+            draft_counts)
+    if impl == "auto":
+        impl = "triton" if logits.device.type == "cuda" else "cpp"
+    if impl == "cpp":
+        emitted, _ = _verify_cpp(*args, u, u, None, None)
+    else:
+        emitted, _ = verify(*args, u_accept=u, u_sample=u, impl=impl)
+    return emitted[:, 0]
+
+
 def _verify_cpp(target_logits, draft_logits, draft_tokens, num_drafts, temperature, top_k, top_p, min_p, seeds,
                 positions, u_accept, u_sample, target_lengths, draft_lengths, planted_bug: int = 0):
     """planted_bug (tests only) selects a deliberate mistake, see PlantedBug in csrc/verify.h."""

@@ -1,6 +1,7 @@
 """Sampling parameters of a batch of rows as tensors, and the checks every verify input gets."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,10 @@ class InvalidLogitsError(ValueError):
 
 def check_logits(name: str, logits: torch.Tensor):
     """Logits [..., V]: no NaN, no +inf, at least one finite entry per row."""
+    # The common case in one reduction: a finite sum means every entry is finite (a NaN or an
+    # infinity makes it non-finite; so can overflow, which takes the full checks below).
+    if logits.numel() and math.isfinite(logits.sum()):
+        return
     if torch.isnan(logits).any():
         raise InvalidLogitsError(f"{name} logits contain NaN (a numerically broken model or checkpoint?)")
     if torch.isposinf(logits).any():
