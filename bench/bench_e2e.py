@@ -46,10 +46,10 @@ class Config:
 @torch.inference_mode()
 def eager_decode(model, prompt_batch: list[list[int]], new_tokens: int, temperature: float, seed: int) -> list[list[int]]:
     """The plain baseline: prefill, then one target step per token on our model and its KV cache."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(model.device).manual_seed(seed)
     B = len(prompt_batch)
     cache = model.new_cache(B, len(prompt_batch[0]) + new_tokens)
-    tokens = torch.tensor(prompt_batch)
+    tokens = torch.tensor(prompt_batch, device=model.device)
     hidden = model(tokens, cache.lengths.clone(), cache)[:, -1]
     cache.lengths.add_(tokens.shape[1])
     out = []

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "computing in float32 on CPU, else the compute dtype)")
     gen.add_argument("--nvtx", action="store_true",
                      help="NVTX ranges (prefill, draft, verify, accept) for Nsight Systems")
+    gen.add_argument("--cuda-graphs", action="store_true",
+                     help="replay the draft steps and verifications from CUDA graphs (on CPU: the same "
+                          "fixed-shape steps, run eagerly)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     return parser
 
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                 draft = pair[1]
         engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
                                         device=args.device, dtype=args.dtype, nvtx=args.nvtx,
-                                        weight_dtype=args.weight_dtype)
+                                        weight_dtype=args.weight_dtype, cuda_graphs=args.cuda_graphs,
+                                        max_batch_size=1)
         if args.json:
             (result,) = engine.generate([args.prompt], params)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.graphs import StepGraphs
 from ..engine.runner import feed
 from ..models.llama import LlamaForCausalLM
 from ..ops.verify import sample_warped
@@ -19,10 +20,22 @@ class ModelDrafter:
         self.vocab_size = vocab_size
         self.num_real_tokens = min(num_real_tokens, vocab_size, model.config.vocab_size)
         self.cache = None
+        self.steps: StepGraphs | None = None
+        # The cache's lengths as last advanced by this drafter, kept on the host: with the
+        # sequences' lengths they give the lengths after verification without a device read.
+        self.fed: list[int] = []
+
+    def use_static_steps(self, max_batch_size: int, capacity: int):
+        """Run draft steps on a persistent cache through StepGraphs (CUDA graphs on a GPU)."""
+        self.steps = StepGraphs(self.model, max_batch_size, capacity)
 
     def start(self, prompts: list[list[int]], capacity: int):
-        self.cache = self.model.new_cache(len(prompts), capacity)
-        feed(self.model, self.cache, [p[:-1] for p in prompts])
+        if self.steps is not None:
+            self.cache = self.steps.new_batch(len(prompts))
+        else:
+            self.cache = self.model.new_cache(len(prompts), capacity)
+        self.fed = [len(p) - 1 for p in prompts]
+        feed(self.model, self.cache, [p[:-1] for p in prompts], cached=[0] * len(prompts))
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V_draft] -> [B, V_target], -inf on ids the draft must not propose."""
@@ -34,21 +47,24 @@ class ModelDrafter:
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         G = max(budgets)
-        cached = self.cache.lengths.tolist()
+        # Verification clipped the lengths to the target's, len(sequence) - 1 (see cache_lengths).
+        cached = [min(fed, len(seq) - 1) for fed, seq in zip(self.fed, sequences)]
         # Catch up on what the cache lacks: the last token, plus the last draft after full acceptance.
-        hidden = feed(self.model, self.cache, [seq[n:] for seq, n in zip(sequences, cached)])
+        hidden = feed(self.model, self.cache, [seq[n:] for seq, n in zip(sequences, cached)], cached)
+        self.fed = [len(seq) + G - 1 for seq in sequences]  # after the G - 1 draft steps below
         device = self.model.device
         positions = torch.tensor([len(s) for s in sequences], device=device)[:, None] + torch.arange(G, device=device)
         u = uniforms(sampling.seeds, positions, STREAM_DRAFT)  # [B, G]
         tokens, all_logits = [], []
+        logits = self.model.logits(hidden)
         for i in range(G):
-            logits = self._fit_vocab(self.model.logits(hidden))
+            logits = self._fit_vocab(logits)
             token = sample_warped(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                                   u[:, i])
             tokens.append(token)
             all_logits.append(logits)
             if i + 1 < G:
-                hidden = self.model(token[:, None], self.cache.lengths.clone(), self.cache)[:, 0]
+                logits = self._step(token[:, None])[:, 0]
                 self.cache.lengths.add_(1)
         all_logits = torch.stack(all_logits, 1)  # [B, G, V]
         # Checked once per proposal: a broken row samples some id in [0, V) first, harmlessly,
@@ -56,6 +72,12 @@ class ModelDrafter:
         check_logits("draft", all_logits)
         num = torch.tensor(budgets, dtype=torch.int64, device=device)
         return Proposal(torch.stack(tokens, 1), num, all_logits, draft_calls=G)
+
+    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, 1, V] of one draft token per row at the cache's lengths."""
+        if self.steps is not None:
+            return self.steps(tokens, self.cache.lengths)
+        return self.model.logits(self.model(tokens, self.cache.lengths.clone(), self.cache))
 
     @property
     def cache_lengths(self) -> torch.Tensor:
@@ -65,3 +87,4 @@ class ModelDrafter:
 
     def keep_rows(self, rows: list[int]):
         self.cache.keep_rows(rows)
+        self.fed = [self.fed[i] for i in rows]

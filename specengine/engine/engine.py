@@ -23,6 +23,7 @@ from ..ops.verify import IMPLEMENTATIONS, verify
 from ..sampling.batch import SamplingBatch, check_logits
 from ..sampling.params import SamplingParams
 from .gamma import CostModel, GammaController, measure_costs
+from .graphs import StepGraphs
 from .phases import Phases
 from .request import DecodeStats, Request, Result
 from .runner import feed
@@ -39,7 +40,7 @@ class Engine:
                  gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
                  verify_impl: str = "auto", max_gamma: int = 8,
                  costs: CostModel | dict[int, CostModel] | None = None, nvtx: bool = False,
-                 time_phases: bool = False):
+                 time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int = 8):
         """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma, one
         value for the batch) from costs measured now (or given as `costs`) and each request's
         running acceptance rate.
@@ -47,7 +48,10 @@ class Engine:
         nvtx: mark the prefill, draft, verify (target forward) and accept phases for Nsight Systems.
         time_phases: time those phases; each run's totals land in last_run_phases (with "host",
         the rest of the loop: bookkeeping, stop checks, reading results back), over
-        last_run_rounds rounds of the batch."""
+        last_run_rounds rounds of the batch.
+        cuda_graphs: run the target's verifications and the draft model's steps as fixed-shape
+        steps on persistent caches of max_batch_size rows (see engine.graphs), replayed from CUDA
+        graphs on a GPU; on a CPU the same path runs eagerly. Batches of more rows are refused."""
         if verify_impl not in IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {verify_impl!r}")
         self.gamma_controller: GammaController | None = None
@@ -82,13 +86,22 @@ class Engine:
         self.last_run_phases: dict[str, float] | None = None
         self.last_run_stats: DecodeStats | None = None
         self.last_run_rounds = 0  # rounds of the whole batch (loop iterations) in the last run
+        self.target_steps: StepGraphs | None = None
+        if cuda_graphs:
+            if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+                raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+            if target.device.type != "cuda":
+                log.info("cuda_graphs: %s is not a CUDA device; the fixed-shape steps run eagerly", target.device)
+            self.target_steps = StepGraphs(target, max_batch_size, self.max_seq_len)
+            if hasattr(drafter, "use_static_steps"):
+                drafter.use_static_steps(max_batch_size, self.max_seq_len)
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
                         gamma: int | str = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
                         max_seq_len: int | None = None, verify_impl: str = "auto", max_gamma: int = 8,
                         nvtx: bool = False, weight_dtype: str | torch.dtype | None = None,
-                        time_phases: bool = False) -> "Engine":
+                        time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int = 8) -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders.
 
         dtype is the compute dtype; weight_dtype the matrices' storage (see models.load_model:
@@ -118,7 +131,7 @@ class Engine:
             check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
             chosen = ModelDrafter(draft_model, target_model.config.vocab_size, len(tokenizer))
         return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl, max_gamma=max_gamma,
-                   nvtx=nvtx, time_phases=time_phases)
+                   nvtx=nvtx, time_phases=time_phases, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -183,6 +196,9 @@ class Engine:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        if self.target_steps is not None and len(prompts) > self.target_steps.cache.allocated_rows:
+            raise ValueError(f"{len(prompts)} prompts but cuda_graphs runs at most max_batch_size="
+                             f"{self.target_steps.cache.allocated_rows} rows at once")
         # Validate every prompt before starting: bad input leaves nothing half-done.
         encoded = [self._encode(p) for p in prompts]
         return [Request(ids, p, p.seed if p.seed is not None else secrets.randbits(63),
@@ -208,11 +224,14 @@ class Engine:
         device = self.target.device
         capacity = min(self.max_seq_len, max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in requests))
         prompts = [r.prompt_token_ids for r in requests]
-        cache = self.target.new_cache(len(requests), capacity)
+        if self.target_steps is not None:
+            cache = self.target_steps.new_batch(len(requests))
+        else:
+            cache = self.target.new_cache(len(requests), capacity)
         self.phases.reset()
         with self.phases("prefill"):
             # The cache holds everything but each sequence's last token, which the next round feeds.
-            feed(self.target, cache, [p[:-1] for p in prompts])
+            feed(self.target, cache, [p[:-1] for p in prompts], cached=[0] * len(prompts))
             if self.drafter is not None:
                 self.drafter.start(prompts, capacity)
         for r in requests:
@@ -279,8 +298,11 @@ class Engine:
         G1 = inputs.shape[1]
         lengths = [len(s) for s in sequences]
         with self.phases("verify"):
-            hidden = self.target(inputs, cache.lengths.clone(), cache, kv_len=max(lengths) - 1 + G1)
-            logits = self.target.logits(hidden)  # [B, G+1, V]
+            if self.target_steps is not None:
+                logits = self.target_steps(inputs, cache.lengths)  # [B, G+1, V]
+            else:
+                hidden = self.target(inputs, cache.lengths.clone(), cache, kv_len=max(lengths) - 1 + G1)
+                logits = self.target.logits(hidden)  # [B, G+1, V]
         check_logits("target", logits)
         # Token i of this round lands at absolute position len(sequence) + i: its uniforms' key.
         draft_lengths = self.drafter.cache_lengths if self.drafter is not None else None

@@ -7,12 +7,15 @@ from ..layers.kv_cache import StaticKVCache
 from ..models.llama import LlamaForCausalLM
 
 
-def feed(model: LlamaForCausalLM, cache: StaticKVCache, chunks: list[list[int]]) -> torch.Tensor | None:
+def feed(model: LlamaForCausalLM, cache: StaticKVCache, chunks: list[list[int]],
+         cached: list[int] | None = None) -> torch.Tensor | None:
     """Append chunks[b] to row b of the cache (chunks may differ in length, even be empty).
 
     Rows are right-padded: the padding writes K/V past the row's length, where it stays
     masked until real tokens overwrite it. Advances cache.lengths by the chunk lengths.
-    Returns the hidden state of each row's last chunk token [B, D], or None when all are empty.
+    cached: the cache's lengths as the caller knows them on the host (saves reading them back
+    from the device). Returns the hidden state of each row's last chunk token [B, D], or None
+    when all are empty.
     """
     lengths = [len(c) for c in chunks]
     T = max(lengths)
@@ -23,7 +26,8 @@ def feed(model: LlamaForCausalLM, cache: StaticKVCache, chunks: list[list[int]])
     for b, chunk in enumerate(chunks):
         tokens[b, : len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
     start = cache.lengths.clone()
-    hidden = model(tokens.to(device), start, cache, kv_len=int(start.max()) + T)
+    longest = max(cached) if cached is not None else int(start.max())
+    hidden = model(tokens.to(device), start, cache, kv_len=longest + T)
     chunk_lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
     cache.lengths.add_(chunk_lengths)
     rows = torch.arange(len(chunks), device=device)

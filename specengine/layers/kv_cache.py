@@ -28,6 +28,17 @@ class StaticKVCache:
         """[B] int64, the valid prefix of each row in use (a view: update it in place)."""
         return self._lengths[: self.batch_size]
 
+    @property
+    def allocated_rows(self) -> int:
+        return self.k.shape[1]
+
+    def reset(self, batch_size: int):
+        """Reuse the cache for a new batch of empty rows (a persistent cache, see engine.graphs)."""
+        if not 1 <= batch_size <= self.allocated_rows:
+            raise ValueError(f"batch of {batch_size} rows does not fit the {self.allocated_rows} rows allocated")
+        self.batch_size = batch_size
+        self.lengths.zero_()
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of one layer, [allocated rows, capacity + 1, Hkv, D] each; the rows in use come first."""
         return self.k[layer], self.v[layer]

@@ -1,0 +1,98 @@
+"""Fixed-shape steps on persistent caches (engine.graphs): on CPU the static-shape path runs
+eagerly, which tests its bookkeeping (buckets, padding rows, static buffers); on a GPU the same
+steps replay from CUDA graphs and must decode exactly as the eager engine does."""
+import pytest
+import torch
+
+from specengine import Engine, SamplingParams
+from specengine.drafters.model import ModelDrafter
+from specengine.engine.graphs import StepGraphs, batch_bucket
+from specengine.engine.runner import feed
+
+from engine_util import tiny_model
+
+V = 40
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27, 1, 3, 9, 27], [11, 5, 2]]
+GPU = torch.cuda.is_available()
+
+
+def test_batch_buckets():
+    assert [batch_bucket(b, 8) for b in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [batch_bucket(b, 6) for b in (3, 5, 6)] == [4, 6, 6]  # the cache's rows are a bucket of their own
+    with pytest.raises(ValueError, match="does not fit the 8 rows"):
+        batch_bucket(9, 8)
+    with pytest.raises(ValueError, match="does not fit"):
+        batch_bucket(0, 8)
+
+
+def test_static_steps_give_the_eager_logits_and_touch_only_their_own_slots():
+    """Three rows padded to a bucket of four (after a batch of four used it, leaving stale
+    entries): the rows' logits equal a plain forward on a fresh cache in the same state; the
+    step writes each row's new positions, and the padding row writes only the spill slot."""
+    model = tiny_model(V, seed=1, hidden_size=32)
+    steps = StepGraphs(model, max_batch_size=8, capacity=24)
+    steps.new_batch(4)
+    with torch.no_grad():
+        steps(torch.full((4, 2), 9), torch.full((4,), 5))
+    prompts = PROMPTS[:3]
+    cache = steps.new_batch(3)
+    plain = model.new_cache(3, 24)
+    with torch.no_grad():
+        feed(model, cache, prompts)
+        feed(model, plain, prompts)
+        before_k = cache.k.clone()
+        tokens = torch.tensor([[4, 8], [1, 2], [30, 31]])
+        got = steps(tokens, cache.lengths)
+        want = model.logits(model(tokens, plain.lengths.clone(), plain))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    changed = (cache.k != before_k).any(-1).any(-1).any(0)  # [rows, slots]: written in some layer or head
+    for b, p in enumerate(prompts):
+        assert changed[b].nonzero().flatten().tolist() == [len(p), len(p) + 1]
+    assert changed[3].nonzero().flatten().tolist() == [24]  # the padding row: spill slot only
+    assert not changed[4:].any()
+    assert steps.replays == 0 and not steps.use_graphs  # CPU: the eager static-shape path
+
+
+def test_graphs_refuse_a_cpu_model():
+    with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA device"):
+        StepGraphs(tiny_model(V), 2, 16, use_graphs=True)
+
+
+def engines(device):
+    target = tiny_model(V, seed=0, logit_scale=3.0).to(device)
+    draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0).to(device)
+    eager = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
+    static = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3, cuda_graphs=True, max_batch_size=4)
+    return eager, static
+
+
+def decode_both(eager, static):
+    params = [SamplingParams(max_new_tokens=n, temperature=t, seed=s)
+              for n, t, s in [(12, 0.0, 1), (20, 1.0, 2), (7, 0.8, 3), (16, 0.0, 4)]]
+    for prompts in (PROMPTS, PROMPTS[1:3], PROMPTS[:1]):  # buckets 4, 2, 1, and a persistent cache reused
+        want = [r.token_ids for r in eager.generate(prompts, params[:len(prompts)])]
+        got = [r.token_ids for r in static.generate(prompts, params[:len(prompts)])]
+        assert got == want
+
+
+def test_static_engine_decodes_as_the_eager_engine_on_cpu():
+    """Greedy and seeded sampling, rows finishing at different rounds, three runs on one engine."""
+    eager, static = engines("cpu")
+    decode_both(eager, static)
+
+
+def test_static_engine_refuses_batches_past_its_rows():
+    _, static = engines("cpu")
+    with pytest.raises(ValueError, match="at most max_batch_size=4 rows"):
+        static.generate(PROMPTS + PROMPTS[:1])
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+        Engine(tiny_model(V), cuda_graphs=True, max_batch_size=0)
+
+
+@pytest.mark.gpu
+def test_graph_replay_decodes_as_the_eager_engine_on_cuda():
+    eager, static = engines("cuda")
+    decode_both(eager, static)
+    for steps in (static.target_steps, static.drafter.steps):
+        assert steps.use_graphs and steps.fallback_reason is None
+        assert steps.replays > 0
