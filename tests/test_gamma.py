@@ -136,3 +136,21 @@ def test_invalid_gamma():
         Engine(target, drafter=ModelDrafter(target, 32, 32), gamma="fast")
     with pytest.raises(ValueError, match="costs cover gamma up to 2"):
         Engine(target, drafter=ModelDrafter(target, 32, 32), gamma="auto", costs=CostModel(0.1, (1.0, 1.0, 1.0)))
+
+
+def test_round_overhead_is_learned_and_favours_longer_rounds():
+    """Rounds that take longer than their modelled draft steps and target call teach the
+    controller a per-round overhead; a fixed cost per round makes drafting more pay."""
+    costs = CostModel(0.2, tuple(1.0 + 0.1 * k for k in range(9)))
+    controller = GammaController(costs)
+    estimate = AcceptanceEstimate(accepted=6.0, rejected=4.0)  # alpha 0.6
+    assert controller.choose([estimate]) == costs.best_gamma(0.6) == 1
+    for _ in range(60):  # every round took 1.5 s more than modelled
+        controller.observe_round(1, 1, costs.round_seconds(1) + 1.5)
+    assert controller.overhead_s[1] == pytest.approx(1.5, rel=0.01)
+    assert costs.best_gamma(0.6, overhead_s=1.5) == 3
+    assert controller.choose([estimate]) == 3
+    # Rounds faster than modelled lower it, but never below minus half a target call.
+    for _ in range(200):
+        controller.observe_round(1, 1, 0.0)
+    assert controller.overhead_s[1] == pytest.approx(-0.5, rel=0.01)

@@ -245,6 +245,7 @@ class Engine:
         self.last_run_rounds = 0
         while active:
             self.last_run_rounds += 1
+            round_start = time.perf_counter()
             sequences = [r.tokens for r in active]
             gamma = self._round_gamma(active)
             budgets = [min(gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
@@ -265,6 +266,10 @@ class Engine:
                     r.stats.wall_time_s = time.perf_counter() - t0
                     if self.gamma_controller is not None:
                         self.gamma_controller.observe_finished(r.stats.accepted, r.stats.rejections)
+            if self.gamma_controller is not None:
+                # proposal.tokens holds the drafts actually made (fewer than gamma near the limits)
+                self.gamma_controller.observe_round(len(active), proposal.tokens.shape[1],
+                                                    time.perf_counter() - round_start)
             yield requests
 
             keep = [i for i, r in enumerate(active) if r.finish_reason is None]
