@@ -116,6 +116,7 @@ def sample_warped(
     """
     _check(logits.dim() == 2 and u.shape == logits.shape[:1], f"need logits [B, V] and u [B], got "
                                                                f"{tuple(logits.shape)} and {tuple(u.shape)}")
+    _check(logits.dtype in _DTYPE_CODES, f"logits dtype {logits.dtype} is not supported")
     if impl == "reference":
         from ..sampling.warp import sample_from_probs, warp_probs
 
