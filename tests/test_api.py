@@ -141,6 +141,22 @@ def test_nan_logits_are_reported():
         Engine(target).generate([[1, 2]], SamplingParams(max_new_tokens=3))
 
 
+def test_nan_draft_logits_are_reported_before_any_token_is_kept():
+    """Logits are checked when a round's results are read (no synchronisation per step): a broken
+    draft still raises, naming the draft, and the engine's loop keeps nothing from that round."""
+    from specengine.drafters.model import ModelDrafter
+
+    target, draft = tiny_model(32, seed=0), tiny_model(32, seed=1, num_layers=1)
+    with torch.no_grad():
+        draft.lm_head.weight[3, 0] = float("nan")
+    engine = Engine(target, drafter=ModelDrafter(draft, 32, 32), gamma=3)
+    (request,) = engine._make_requests([[1, 2]], SamplingParams(max_new_tokens=8))
+    with pytest.raises(InvalidLogitsError, match="draft logits contain NaN"):
+        for _ in engine._run([request]):
+            pass
+    assert request.generated == []
+
+
 def test_different_tokenizers_are_refused(text_pair, tmp_path):
     from specengine.tiny import train_tokenizer
 

@@ -20,13 +20,13 @@ import torch
 from ..drafters.base import Drafter, Proposal
 from ..models.llama import LlamaForCausalLM
 from ..ops.verify import IMPLEMENTATIONS, verify
-from ..sampling.batch import SamplingBatch, check_logits
+from ..sampling.batch import SamplingBatch, check_logits, logits_all_finite
 from ..sampling.params import SamplingParams
 from .gamma import CostModel, GammaController, measure_costs
 from .graphs import StepGraphs
 from .phases import Phases
 from .request import DecodeStats, Request, Result
-from .runner import feed
+from .runner import feed, to_device
 
 log = logging.getLogger("specengine")
 
@@ -253,11 +253,15 @@ class Engine:
             with self.phases("draft"):
                 proposal = self._propose(sequences, budgets, sampling, device)
             # Verification also advances both caches' lengths: that is the whole rollback.
-            emitted, num_emitted = self._verify_round(cache, sequences, proposal, sampling)
+            emitted, num_emitted, logit_checks = self._verify_round(cache, sequences, proposal, sampling)
 
+            # The round's one read from the device (on CUDA the first .tolist() waits for it).
             emitted_rows = emitted.tolist()
             counts = num_emitted.tolist()
             drafted = proposal.num_drafts.tolist()
+            for name, logits, finite in logit_checks:  # before any token of the round is kept
+                if not finite:
+                    check_logits(name, logits)
             for r, row, count, n_drafts in zip(active, emitted_rows, counts, drafted):
                 self._account(r, count - 1, n_drafts, proposal.draft_calls)
                 r.acceptance.update(count - 1, int(count - 1 < n_drafts))
@@ -298,7 +302,7 @@ class Engine:
 
     def _verify_round(self, cache, sequences, proposal: Proposal, sampling: SamplingBatch):
         device = self.target.device
-        last = torch.tensor([s[-1] for s in sequences], dtype=torch.int64, device=device)
+        last = to_device([s[-1] for s in sequences], torch.int64, device)
         inputs = torch.cat([last[:, None], proposal.tokens], dim=1)  # [B, G+1]
         G1 = inputs.shape[1]
         lengths = [len(s) for s in sequences]
@@ -308,15 +312,19 @@ class Engine:
             else:
                 hidden = self.target(inputs, cache.lengths.clone(), cache, kv_len=max(lengths) - 1 + G1)
                 logits = self.target.logits(hidden)  # [B, G+1, V]
-        check_logits("target", logits)
+        # Checked when the round's results are read, not now (a check is a synchronisation on
+        # CUDA); a broken row's tokens are never kept.
+        logit_checks = [(name, t, logits_all_finite(t)) for name, t in (("draft", proposal.logits), ("target", logits))
+                        if t is not None]
         # Token i of this round lands at absolute position len(sequence) + i: its uniforms' key.
         draft_lengths = self.drafter.cache_lengths if self.drafter is not None else None
         with self.phases("accept"):
-            return verify(
+            emitted, num_emitted = verify(
                 logits, proposal.logits, proposal.tokens, proposal.num_drafts, sampling.temperature, sampling.top_k,
-                sampling.top_p, sampling.min_p, sampling.seeds, torch.tensor(lengths, device=device),
+                sampling.top_p, sampling.min_p, sampling.seeds, to_device(lengths, torch.int64, device),
                 target_lengths=cache.lengths, draft_lengths=draft_lengths, impl=self.verify_impl,
             )
+        return emitted, num_emitted, logit_checks
 
     @staticmethod
     def _account(r: Request, accepted: int, drafted: int, draft_calls: int):

@@ -33,6 +33,13 @@ class InvalidLogitsError(ValueError):
     """A model produced NaN or +inf logits, or masked every token of a row."""
 
 
+def logits_all_finite(logits: torch.Tensor) -> torch.Tensor:
+    """0-dim bool tensor on the logits' device: every entry is finite (a finite sum). Computed
+    without a synchronisation; read it later, and run check_logits when it is False (it names
+    the problem, or passes when only the sum overflowed)."""
+    return torch.isfinite(logits.sum())
+
+
 def check_logits(name: str, logits: torch.Tensor):
     """Logits [..., V]: no NaN, no +inf, at least one finite entry per row."""
     # The common case in one reduction: a finite sum means every entry is finite (a NaN or an
