@@ -36,6 +36,14 @@ def machine_name(device: torch.device) -> str:
     return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
+def write_json(result: dict, out: str | None, default_name: str):
+    """Write a benchmark's results to `out`, or to bench/results/<default_name>."""
+    path = Path(out) if out else Path(__file__).resolve().parent / "results" / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
 def phases_per_round(engine: Engine, prompt_batches, temperature: float) -> dict:
     totals, rounds, accepted, tested = {}, 0, 0, 0
     for i, batch in enumerate(prompt_batches):
@@ -121,11 +129,7 @@ def main():
         print(f"~{n_params / 1e9:.2f}B target ms for k=1..9 tokens {[round(1e3 * t, 2) for t in big_costs.verify_s]}, "
               f"c = {c:.4f}")
 
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "results"
-                                           / f"costs-{device.type}-{result['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(result, args.out, f"costs-{device.type}-{result['date']}.json")
 
 
 if __name__ == "__main__":

@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
+from specengine.engine.gamma import median_seconds
 from specengine.engine.graphs import StepGraphs
 from specengine.shipped import heldout_prompts, shipped_pair
 
-from bench_costs import machine_name
+from bench_costs import machine_name, write_json
 from bench_e2e import eager_decode
 
 
@@ -46,16 +45,7 @@ def draft_step_ms(draft, batch: int, device, use_graphs: bool, reps: int = 50) -
         call = lambda: steps(tokens, cache.lengths)  # noqa: E731
     else:
         call = lambda: draft.logits(draft(tokens, cache.lengths.clone(), cache, kv_len=65))  # noqa: E731
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        call()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(call, reps, warmup=3)
 
 
 def main():
@@ -151,11 +141,7 @@ def main():
         if steps.fallback_reason:
             print(f"{name} graphs fell back to eager: {steps.fallback_reason}")
 
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "results"
-                                           / f"graphs-{device.type}-{result['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(result, args.out, f"graphs-{device.type}-{result['date']}.json")
 
 
 if __name__ == "__main__":

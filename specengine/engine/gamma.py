@@ -150,8 +150,13 @@ class GammaController:
         return gamma
 
 
-def _median_seconds(fn, reps: int) -> float:
-    fn()
+def median_seconds(fn, reps: int, warmup: int = 1) -> float:
+    """Median wall-clock seconds of fn() over reps calls after warmup calls, GPU work included
+    (synchronised after the warm-up and after each call when CUDA is present)."""
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -176,7 +181,7 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
             logits = model.logits(model(x, cache.lengths.clone(), cache, kv_len=context + tokens))
             if then is not None:
                 then(logits[:, -1])
-        return _median_seconds(call, reps)
+        return median_seconds(call, reps)
 
     def sample(logits):
         rows, device = logits.shape[0], logits.device
