@@ -3,8 +3,11 @@
 The ops take NumPy views of CPU tensors, so building needs neither torch nor a CUDA
 toolkit, and `pip install --no-build-isolation` works on machines without internet.
 """
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# Compile the sources in parallel (one job per core unless NPY_NUM_BUILD_JOBS says otherwise).
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 ext_modules = [
     Pybind11Extension(

@@ -7,11 +7,12 @@
 2. The pair's alpha at gamma 4 (temperature 0 and 1) and the engine's time per round by phase
    (draft, verify = the target's forward, accept = the fused verify kernel, host = the rest of
    the loop) at batch 1 and 8: the host's share is the overhead a CUDA graph can remove.
-3. A randomly initialised Llama of about 1B parameters (d 2048, ffn 5632, 22 layers, the pair's
-   vocabulary; bfloat16 on CUDA, bfloat16-stored matrices with float32 compute on CPU) standing in
-   for a memory-bound target: its costs for k = 1..9 tokens, and the speedup Theorem 3.8 predicts
-   for the pycode draft proposing to it at the pair's alpha (and the cost model's prediction with
-   the measured verification costs). --big-layers sets its depth (0 skips it).
+3. A memory-bound target: the shipped target embedded in a Llama of about 1B parameters (d 2048,
+   ffn 5632, 22 layers, models.widen: same logits, so the same alpha; bfloat16 on CUDA,
+   bfloat16-stored matrices with float32 compute on CPU): its costs for k = 1..9 tokens, and the
+   speedup Theorem 3.8 predicts for the pycode draft proposing to it at the pair's alpha (and the
+   cost model's prediction with the measured verification costs). bench_graphs.py --target
+   widened measures that speedup end to end. --big-layers sets its depth (0 skips it).
 """
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ import torch
 
 from specengine import Engine, SamplingParams
 from specengine.engine.gamma import CostModel, measure_costs, predicted_speedup
-from specengine.models import ModelConfig, empty_model
-from specengine.models.config import RopeConfig
+from specengine.models.widen import widen
 from specengine.shipped import heldout_prompts, shipped_pair
 
 
@@ -62,16 +62,10 @@ def phases_per_round(engine: Engine, prompt_batches, temperature: float) -> dict
                 host_share=totals["host"] / loop)
 
 
-def big_target(device: torch.device, layers: int, vocab_size: int):
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=2048,
-                      intermediate_size=5632, num_layers=layers, num_heads=32, num_kv_heads=8, head_dim=64,
-                      max_position_embeddings=2048, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
-                      dtype="bfloat16")
-    model = empty_model(cfg, device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
-    return model.eval().requires_grad_(False)
+def widened_target(target, layers: int):
+    """The shipped target embedded in a Llama of about 1B parameters (d 2048, ffn 5632, 32 heads, 8 kv
+    heads; `layers` deep): a memory-bound step with the shipped target's logits (models.widen)."""
+    return widen(target, hidden_size=2048, intermediate_size=5632, num_heads=32, num_kv_heads=8, num_layers=layers)
 
 
 def main():
@@ -111,7 +105,7 @@ def main():
                   f"(host {100 * r['host_share']:.1f}%)")
 
     if args.big_layers > 0:
-        big = big_target(device, args.big_layers, target.config.vocab_size)
+        big = widened_target(target, args.big_layers)
         n_params = sum(p.numel() for p in big.parameters())
         big_costs = measure_costs(big, None, 8, batch_size=1)
         model = CostModel(costs[1].draft_step_s, big_costs.verify_s)

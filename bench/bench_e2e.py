@@ -53,12 +53,13 @@ def eager_decode(model, prompt_batch: list[list[int]], new_tokens: int, temperat
     hidden = model(tokens, cache.lengths.clone(), cache)[:, -1]
     cache.lengths.add_(tokens.shape[1])
     out = []
-    for _ in range(new_tokens):
+    for i in range(new_tokens):
         logits = model.logits(hidden)
         nxt = (logits.argmax(-1) if temperature == 0
                else torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)[:, 0])
         out.append(nxt)
-        hidden = model(nxt[:, None], cache.lengths.clone(), cache)[:, 0]
+        # kv_len known on the host: no device read per token (on CUDA that would be a sync)
+        hidden = model(nxt[:, None], cache.lengths.clone(), cache, kv_len=tokens.shape[1] + i + 1)[:, 0]
         cache.lengths.add_(1)
     return torch.stack(out, 1).tolist()
 

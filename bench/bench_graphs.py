@@ -1,14 +1,25 @@
-"""CUDA graphs against eager execution, on the shipped pair (run by bench/gpu_check.sh).
+"""CUDA graphs against eager execution, end to end and per step (run by bench/gpu_check.sh).
 
-    python bench/bench_graphs.py [--device cuda] [--prompts 8] [--new-tokens 96] [--out graphs.json]
+    python bench/bench_graphs.py [--device cuda] [--target shipped|widened] [--batches 1 8]
+        [--temperatures 0 1] [--gammas 1 2 3 4] [--prompts 8] [--new-tokens 96] [--out graphs.json]
 
-1. One draft step (the draft model's forward and logits on one token per row) at batch 1 and 8:
-   eager against replayed from a captured graph (engine.graphs.StepGraphs).
-2. End to end, batch 1 and 8, temperature 0 and 1, held-out prompts, gamma 1..4 (the best
-   reported): the eager PyTorch target-only loop, specengine eager and specengine with
-   cuda_graphs; tokens/s, ratios to the eager loop, alpha; greedy outputs checked equal.
-3. The host's share of a round with graphs (phase timing on, in a separate run: it
-   synchronises at every phase boundary).
+--target shipped: the shipped pair as it is (a small target: its GPU step is launch-bound).
+--target widened: the shipped target embedded in a ~1B-parameter Llama (models.widen; same logits,
+so the same alpha against the shipped draft) whose step reads 2 GB of weights: memory-bound.
+
+1. Per step, eager against replayed from a captured graph (engine.graphs.StepGraphs): the draft
+   model's forward at each batch size; and at batch 1 the engine's cost model on both paths
+   (engine.gamma.measure_costs: the target on k = 1..9 tokens, a draft step with its sampling),
+   so c and the verification costs are measured on the path each engine takes.
+2. End to end, each batch size and temperature, held-out prompts: the eager PyTorch target-only
+   loop (bench_e2e.eager_decode), specengine target-only with graphs, specengine eager and with
+   cuda_graphs for each gamma, and gamma="auto" with graphs; tokens/s, ratios to the eager loop,
+   alpha; greedy outputs checked equal to the loop's. Interleaved repeats, medians.
+3. Theorem 3.8 with graphs: the measured speedup of each gamma over target-only with graphs,
+   next to the prediction from the replayed step costs and the run's alpha.
+4. The host's share of a round with graphs at batch 1, greedy, the best gamma (phase timing on,
+   in a separate run: it synchronises at every phase boundary).
+Results are written after every section, so a run cut short keeps what it measured.
 On a CPU the "graphs" rows run the same fixed-shape steps eagerly (a smoke test of the script).
 """
 from __future__ import annotations
@@ -22,11 +33,11 @@ import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
-from specengine.engine.gamma import median_seconds
+from specengine.engine.gamma import measure_costs, median_seconds, predicted_speedup
 from specengine.engine.graphs import StepGraphs
 from specengine.shipped import heldout_prompts, shipped_pair
 
-from bench_costs import machine_name, write_json
+from bench_costs import machine_name, widened_target, write_json
 from bench_e2e import eager_decode
 
 
@@ -36,48 +47,82 @@ def sync(device):
 
 
 @torch.inference_mode()
-def draft_step_ms(draft, batch: int, device, use_graphs: bool, reps: int = 50) -> float:
-    steps = StepGraphs(draft, batch, 256, use_graphs=use_graphs)
+def step_ms(model, batch: int, tokens: int, use_graphs: bool, reps: int = 30) -> float:
+    """Median ms of one call on `tokens` tokens per row at 64 cached tokens: the plain forward and
+    logits (eager), or the fixed-shape step (replayed from a graph when use_graphs)."""
+    device = model.device
+    steps = StepGraphs(model, batch, 256, use_graphs=use_graphs)
     cache = steps.new_batch(batch)
     cache.lengths.fill_(64)
-    tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+    x = torch.zeros(batch, tokens, dtype=torch.int64, device=device)
     if use_graphs:
-        call = lambda: steps(tokens, cache.lengths)  # noqa: E731
+        call = lambda: steps(x, cache.lengths)  # noqa: E731
     else:
-        call = lambda: draft.logits(draft(tokens, cache.lengths.clone(), cache, kv_len=65))  # noqa: E731
+        call = lambda: model.logits(model(x, cache.lengths.clone(), cache, kv_len=64 + tokens))  # noqa: E731
     return 1e3 * median_seconds(call, reps, warmup=3)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--target", choices=("shipped", "widened"), default="shipped")
+    parser.add_argument("--widened-layers", type=int, default=22)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--no-auto", action="store_true", help="skip the gamma='auto' rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
     target_dir, draft_dir = shipped_pair()
     base = Engine.from_pretrained(target_dir, device=str(device))
     target, tokenizer = base.target, base.tokenizer
+    if args.target == "widened":
+        target = widened_target(target, args.widened_layers)
     draft = Engine.from_pretrained(draft_dir, device=str(device)).target
     V = target.config.vocab_size
-    result = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), torch=torch.__version__)
+    date = datetime.date.today().isoformat()
+    result = dict(date=date, machine=machine_name(device), torch=torch.__version__, target=args.target,
+                  target_parameters=sum(p.numel() for p in target.parameters()), dtype=str(target.dtype),
+                  prompts=args.prompts, new_tokens=args.new_tokens, repeats=args.repeats)
+    save = lambda: write_json(result, args.out, f"graphs-{args.target}-{device.type}-{date}.json")  # noqa: E731
+    graph_label = "graph" if on_gpu else "static (eager)"
 
-    on_gpu = device.type == "cuda"
-    for B in (1, 8):
-        eager, graphs = draft_step_ms(draft, B, device, False), draft_step_ms(draft, B, device, on_gpu)
+    # 1. per step
+    for B in args.batches:
+        eager, graphs = step_ms(draft, B, 1, False), step_ms(draft, B, 1, on_gpu)
         result[f"draft_step_batch{B}"] = dict(eager_ms=eager, graph_ms=graphs, ratio=eager / graphs)
-        print(f"draft step, batch {B}: eager {eager:.3f} ms, {'graph' if on_gpu else 'static (eager)'} "
-              f"{graphs:.3f} ms, {eager / graphs:.2f}x")
+        print(f"draft step, batch {B}: eager {eager:.3f} ms, {graph_label} {graphs:.3f} ms, {eager / graphs:.2f}x")
+    # The engine's cost model on each path: the target on k tokens, a draft step with its sampling.
+    eager_costs = measure_costs(target, draft, 8, reps=20)
+    graph_costs = measure_costs(target, draft, 8, reps=20, target_steps=StepGraphs(target, 1, 256),
+                                draft_steps=StepGraphs(draft, 1, 256))
+    c_eager = eager_costs.draft_step_s / eager_costs.verify_s[0]
+    c_graph = graph_costs.draft_step_s / graph_costs.verify_s[0]
+    result["costs_batch1"] = {name: dict(target_ms=[1e3 * t for t in cm.verify_s], draft_step_ms=1e3 * cm.draft_step_s,
+                                         c=cm.draft_step_s / cm.verify_s[0])
+                              for name, cm in (("eager", eager_costs), ("graphs", graph_costs))}
+    print(f"target, batch 1, k = 1..9 tokens: eager {[round(1e3 * t, 3) for t in eager_costs.verify_s]} ms; "
+          f"{graph_label} {[round(1e3 * t, 3) for t in graph_costs.verify_s]} ms")
+    print(f"draft step with sampling: eager {1e3 * eager_costs.draft_step_s:.3f} ms, {graph_label} "
+          f"{1e3 * graph_costs.draft_step_s:.3f} ms; c eager {c_eager:.3f}, c {graph_label} {c_graph:.3f}")
+    save()
 
+    # 2. end to end
     prompts = heldout_prompts(tokenizer, args.prompts, length=64, start_fraction=1 / 3)
-    engines = {}
+    max_batch = max(args.batches)
+    engines = {("graphs", 0): Engine(target, tokenizer, cuda_graphs=True, max_batch_size=max_batch)}
     for g in args.gammas:
         engines[("eager", g)] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g)
         engines[("graphs", g)] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g,
-                                        cuda_graphs=True, max_batch_size=8)
+                                        cuda_graphs=True, max_batch_size=max_batch)
+    if not args.no_auto:
+        engines[("graphs", "auto")] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma="auto",
+                                             max_gamma=max(args.gammas), cuda_graphs=True, max_batch_size=max_batch)
 
     def run(kind, g, B, T, rep):
         batches = [prompts[i: i + B] for i in range(0, len(prompts), B)]
@@ -97,10 +142,12 @@ def main():
         sync(device)
         return time.perf_counter() - t0, outputs, accepted / tested if tested else None
 
-    rows = []
-    for B in (1, 8):
-        for T in (0.0, 1.0):
-            configs = [("loop", 0)] + [(k, g) for g in args.gammas for k in ("eager", "graphs")]
+    rows, theorem = [], []
+    result["e2e"], result["theorem_3_8_graphs"] = rows, theorem
+    best_graphs_gamma = {}
+    for B in args.batches:
+        for T in args.temperatures:
+            configs = [("loop", 0)] + list(engines)
             for kind, g in configs:  # warm-up: captures every graph this configuration needs
                 run(kind, g, B, T, rep=0)
             times = {c: [] for c in configs}
@@ -112,36 +159,57 @@ def main():
                     outputs[c], alphas[c] = out, alpha
             tokens = len(prompts) * args.new_tokens
             rate = {c: tokens / statistics.median(t) for c, t in times.items()}
-            loop_rate = rate[("loop", 0)]
+            loop_rate, graphs_only = rate[("loop", 0)], rate[("graphs", 0)]
             for c in configs:
                 same = outputs[c] == outputs[("loop", 0)] if T == 0 else None
                 rows.append(dict(batch=B, temperature=T, kind=c[0], gamma=c[1], tokens_per_s=round(rate[c], 1),
-                                 vs_eager_loop=round(rate[c] / loop_rate, 3), alpha=alphas[c],
+                                 vs_eager_loop=round(rate[c] / loop_rate, 3),
+                                 vs_graphs_target_only=round(rate[c] / graphs_only, 3), alpha=alphas[c],
                                  greedy_equals_loop=same))
-            best = {k: max((g for g in args.gammas), key=lambda g: rate[(k, g)]) for k in ("eager", "graphs")}
-            print(f"batch {B} T={T:g}: eager loop {loop_rate:.1f} tok/s; specengine eager {rate[('eager', best['eager'])]:.1f} "
-                  f"(gamma {best['eager']}, {rate[('eager', best['eager'])] / loop_rate:.2f}x); with graphs "
-                  f"{rate[('graphs', best['graphs'])]:.1f} (gamma {best['graphs']}, "
-                  f"{rate[('graphs', best['graphs'])] / loop_rate:.2f}x)")
-    result["e2e"] = rows
+            best = {k: max(args.gammas, key=lambda g: rate[(k, g)]) for k in ("eager", "graphs")}
+            best_graphs_gamma[(B, T)] = best["graphs"]
+            auto = "" if args.no_auto else (f"; auto with graphs {rate[('graphs', 'auto')]:.1f} "
+                                             f"({rate[('graphs', 'auto')] / loop_rate:.2f}x)")
+            print(f"batch {B} T={T:g}: eager loop {loop_rate:.1f} tok/s; target-only with graphs {graphs_only:.1f}; "
+                  f"specengine eager {rate[('eager', best['eager'])]:.1f} (gamma {best['eager']}, "
+                  f"{rate[('eager', best['eager'])] / loop_rate:.2f}x); with graphs {rate[('graphs', best['graphs'])]:.1f} "
+                  f"(gamma {best['graphs']}, {rate[('graphs', best['graphs'])] / loop_rate:.2f}x){auto}")
+            if B == 1:
+                costs = graph_costs
+                for g in args.gammas:
+                    a = alphas[("graphs", g)]
+                    theorem.append(dict(temperature=T, gamma=g, alpha=a,
+                                        measured=rate[("graphs", g)] / graphs_only,
+                                        theorem_3_8=predicted_speedup(a, g, c_graph),
+                                        with_verify_costs=costs.tokens_per_second(a, g) * costs.verify_s[0]))
+                t = next(r for r in theorem if r["temperature"] == T and r["gamma"] == best["graphs"])
+                print(f"  Theorem 3.8 at gamma {t['gamma']} (alpha {t['alpha']:.3f}, c {c_graph:.3f}): predicted "
+                      f"{t['theorem_3_8']:.2f}x, with measured verify costs {t['with_verify_costs']:.2f}x; "
+                      f"measured {t['measured']:.2f}x over target-only with graphs")
+            save()
     if any(r["greedy_equals_loop"] is False for r in rows):
         print("WARNING: some greedy outputs differ from the eager loop's")
 
-    timed = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=2, cuda_graphs=True,
-                   max_batch_size=8, time_phases=True)
+    # 4. the host's share with graphs
+    g = best_graphs_gamma.get((args.batches[0], args.temperatures[0]), args.gammas[0])
+    timed = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g, cuda_graphs=True,
+                   max_batch_size=max_batch, time_phases=True)
     timed.generate(prompts[:1], SamplingParams(max_new_tokens=8, temperature=0))
     timed.generate(prompts[:1], SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True))
     ph = timed.last_run_phases
     loop = ph["total"] - ph["prefill"]
+    result["graphs_batch1_gamma"] = g
     result["graphs_batch1_phases_ms"] = {k: 1e3 * v / timed.last_run_rounds for k, v in ph.items()}
     result["graphs_batch1_host_share"] = ph["host"] / loop
-    print(f"graphs, batch 1, gamma 2: host {100 * ph['host'] / loop:.1f}% of the round time")
+    ms = result["graphs_batch1_phases_ms"]
+    print(f"graphs, batch 1, gamma {g}: round {1e3 * loop / timed.last_run_rounds:.3f} ms = draft {ms['draft']:.3f} + "
+          f"verify {ms['verify']:.3f} + accept {ms['accept']:.3f} + host {ms['host']:.3f} "
+          f"(host {100 * ph['host'] / loop:.1f}%)")
     for name, steps in (("target", timed.target_steps), ("draft", timed.drafter.steps)):
         result[f"{name}_graph_fallback"] = steps.fallback_reason
         if steps.fallback_reason:
             print(f"{name} graphs fell back to eager: {steps.fallback_reason}")
-
-    write_json(result, args.out, f"graphs-{device.type}-{result['date']}.json")
+    save()
 
 
 if __name__ == "__main__":

@@ -96,3 +96,21 @@ def test_graph_replay_decodes_as_the_eager_engine_on_cuda():
     for steps in (static.target_steps, static.drafter.steps):
         assert steps.use_graphs and steps.fallback_reason is None
         assert steps.replays > 0
+
+
+def test_auto_gamma_times_the_static_steps_its_rounds_take():
+    """gamma="auto" with cuda_graphs measures its costs on the engine's fixed-shape steps (graph
+    replays on a GPU, what its rounds pay), for one row and for max_batch_size rows, and still
+    decodes as the eager engine does."""
+    target = tiny_model(V, seed=0, logit_scale=3.0)
+    draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0)
+    static = Engine(target, drafter=ModelDrafter(draft, V, V), gamma="auto", max_gamma=3, cuda_graphs=True,
+                    max_batch_size=2)
+    assert sorted(static.gamma_controller.costs_by_batch) == [1, 2]
+    # every verification width 1..max_gamma+1 ran as a static target step, in both buckets
+    assert sorted(static.target_steps.steps) == [(b, k) for b in (1, 2) for k in range(1, 5)]
+    assert sorted(static.drafter.steps.steps) == [(1, 1), (2, 1)]
+    eager = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
+    params = [SamplingParams(max_new_tokens=15, temperature=0.0), SamplingParams(max_new_tokens=9, temperature=0.0)]
+    want = [r.token_ids for r in eager.generate(PROMPTS[:2], params)]
+    assert [r.token_ids for r in static.generate(PROMPTS[:2], params)] == want

@@ -55,16 +55,11 @@ class Engine:
         if verify_impl not in IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {verify_impl!r}")
         self.gamma_controller: GammaController | None = None
+        auto_gamma = False
         if drafter is not None and gamma == "auto":
             if not isinstance(max_gamma, int) or not 1 <= max_gamma <= 64:
                 raise ValueError(f"max_gamma must be an integer in [1, 64], got {max_gamma!r}")
-            draft_model = getattr(drafter, "model", None)
-            # Verification costs grow with the batch on a CPU: measure a single row and a batch of 8.
-            costs = costs or {b: measure_costs(target, draft_model, max_gamma, batch_size=b) for b in (1, 8)}
-            self.gamma_controller = GammaController(costs)
-            if self.gamma_controller.max_gamma != max_gamma:
-                raise ValueError(f"costs cover gamma up to {self.gamma_controller.max_gamma}, "
-                                 f"not max_gamma={max_gamma}")
+            auto_gamma = True
             gamma = max_gamma
         elif drafter is not None and (not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= 64):
             raise ValueError(f"gamma must be an integer in [1, 64] or 'auto' when drafting, got {gamma!r}")
@@ -95,6 +90,18 @@ class Engine:
             self.target_steps = StepGraphs(target, max_batch_size, self.max_seq_len)
             if hasattr(drafter, "use_static_steps"):
                 drafter.use_static_steps(max_batch_size, self.max_seq_len)
+        if auto_gamma:
+            # Measured on the path the rounds take (replayed graphs with cuda_graphs). Verification
+            # costs grow with the batch on a CPU: measure a single row and a batch of 8 (or fewer).
+            draft_model, draft_steps = getattr(drafter, "model", None), getattr(drafter, "steps", None)
+            batches = sorted({1, min(8, max_batch_size if cuda_graphs else 8)})
+            costs = costs or {b: measure_costs(target, draft_model, max_gamma, batch_size=b,
+                                               target_steps=self.target_steps, draft_steps=draft_steps)
+                              for b in batches}
+            self.gamma_controller = GammaController(costs)
+            if self.gamma_controller.max_gamma != max_gamma:
+                raise ValueError(f"costs cover gamma up to {self.gamma_controller.max_gamma}, "
+                                 f"not max_gamma={max_gamma}")
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",

@@ -168,17 +168,26 @@ def median_seconds(fn, reps: int, warmup: int = 1) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: int = 64, reps: int = 5) -> CostModel:
+def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: int = 64, reps: int = 5,
+                  target_steps=None, draft_steps=None) -> CostModel:
     """Time the target on 1..max_gamma+1 tokens and one draft step for `batch_size` rows at `context`
     cached tokens (a draft of None costs nothing). A draft step is what a drafter pays per token:
-    the forward, and warping and sampling its distribution (measured 15-30% of the forward on CPU)."""
-    def step_time(model, tokens: int, then=None) -> float:
-        cache = model.new_cache(batch_size, context + tokens)
-        cache.lengths.fill_(context)
+    the forward, and warping and sampling its distribution (measured 15-30% of the forward on CPU).
+    target_steps, draft_steps: the engine's StepGraphs when it runs fixed-shape steps; then their
+    calls are timed (replayed CUDA graphs on a GPU), since that is what its rounds pay."""
+    def step_time(model, tokens: int, steps=None, then=None) -> float:
+        if steps is not None:
+            cache = steps.new_batch(batch_size)
+            cache.lengths.fill_(max(0, min(context, cache.capacity - tokens)))
+            forward = lambda x: steps(x, cache.lengths)  # noqa: E731
+        else:
+            cache = model.new_cache(batch_size, context + tokens)
+            cache.lengths.fill_(context)
+            forward = lambda x: model.logits(model(x, cache.lengths.clone(), cache, kv_len=context + tokens))  # noqa: E731
         x = torch.zeros(batch_size, tokens, dtype=torch.int64, device=model.device)
 
         def call():
-            logits = model.logits(model(x, cache.lengths.clone(), cache, kv_len=context + tokens))
+            logits = forward(x)
             if then is not None:
                 then(logits[:, -1])
         return median_seconds(call, reps)
@@ -189,5 +198,5 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
         # temperature 1, no top-k / top-p / min-p: the softmax path every sampled row takes
         sample_warped(logits, ones, zeros.long(), ones, zeros, 0.5 * ones)
 
-    verify = tuple(step_time(target, k) for k in range(1, max_gamma + 2))
-    return CostModel(step_time(draft, 1, then=sample) if draft is not None else 0.0, verify)
+    verify = tuple(step_time(target, k, target_steps) for k in range(1, max_gamma + 2))
+    return CostModel(step_time(draft, 1, draft_steps, then=sample) if draft is not None else 0.0, verify)
