@@ -12,7 +12,7 @@
 #   6. the Triton kernel tests, compiled (exact, statistical, invariants, no recompilation).
 # Logs, CSVs and JSON are written to a work folder and packed, after every step, into
 # $OUT/gpu-results.tar.gz (one file: the device tool returns at most 8). Budget: the steps'
-# timeouts add up to 375 s, the install's to 75 s.
+# timeouts add up to 345 s, the install's to 75 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-results}"
@@ -55,13 +55,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $OUT/NAME.l
   pack
 }
 
-step tests-graphs 50 "$PY" -m pytest -q -rs tests/test_graphs.py tests/test_engine_greedy.py tests/test_widen.py
-step graphs-widened 100 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 \
-  --prompts 4 --new-tokens 48 --repeats 3 --out "$OUT/graphs-widened.json"
+step tests-graphs 40 "$PY" -m pytest -q -rs tests/test_graphs.py tests/test_engine_greedy.py tests/test_widen.py
+step graphs-widened 90 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 \
+  --prompts 4 --new-tokens 40 --repeats 3 --out "$OUT/graphs-widened.json"
 step graphs-shipped 75 "$PY" bench/bench_graphs.py --device cuda --target shipped --batches 1 8 \
-  --prompts 8 --new-tokens 48 --repeats 3 --out "$OUT/graphs-shipped.json"
-step costs 35 "$PY" bench/bench_costs.py --device cuda --big-layers 0 --prompts 8 --out "$OUT/costs-gpu.json"
-step verify-bench 55 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
+  --prompts 8 --new-tokens 32 --repeats 3 --out "$OUT/graphs-shipped.json"
+step costs 30 "$PY" bench/bench_costs.py --device cuda --big-layers 0 --prompts 8 --out "$OUT/costs-gpu.json"
+step verify-bench 50 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
 step tests-kernels 60 "$PY" -m pytest -q -rs tests/test_verify_kernels.py tests/test_sample_warped.py
 
 echo "results in $PACK/gpu-results.tar.gz (status $status)"

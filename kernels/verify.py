@@ -13,16 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-_STREAM_ACCEPT = 0  # as specengine/sampling/rng.py
-_STREAM_SAMPLE = 1
+# As specengine/sampling/rng.py. A jitted function may read a global only if it is a
+# tl.constexpr (the interpreter does not enforce this; the compiler does).
+_STREAM_ACCEPT = tl.constexpr(0)
+_STREAM_SAMPLE = tl.constexpr(1)
 
 
 @triton.jit
-def _philox_uniform(seed, position, stream):
+def _philox_uniform(seed, position, stream: tl.constexpr):
     """Uniform in [0, 1) keyed by (seed, position, stream): Philox4x32-10, top 24 bits of word 0."""
     c0 = (position & 0xFFFFFFFF).to(tl.uint64)
     c1 = ((position >> 32) & 0xFFFFFFFF).to(tl.uint64)
-    c2 = (stream + 0 * position).to(tl.uint64)
+    c2 = (0 * position + stream).to(tl.uint64)
     c3 = (0 * position).to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint64)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint64)

@@ -187,12 +187,13 @@ def test_emitted_token_is_distributed_as_p(impl, warp, one_hot):
 def test_triton_does_not_recompile_for_new_round_sizes():
     from specengine.kernels.verify import _verify_kernel
 
+    cache = _verify_kernel.device_caches[torch.cuda.current_device()][0]
+    before = set(cache)  # earlier tests compiled other dtypes and flags
     for G, V in [(1, 64), (3, 64), (5, 100), (2, 100)]:
         case = random_case(4, G, V, seed=G)
         run("triton", case)
-    # One specialisation per (dtype, flags, BLOCK), not per G or V.
-    cache = _verify_kernel.device_caches[torch.cuda.current_device()][0]
-    assert len(cache) <= 2
+    # One specialisation per (dtype, flags, BLOCK): here BLOCK 64 and 128, not one per G or V.
+    assert len(set(cache) - before) <= 2
 
 
 @pytest.mark.slow
