@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 IMPLEMENTATIONS = ("cpp", "reference")
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,8 +102,15 @@ def cached_attention_reference(q, k, v, cos, sin, positions, cache_k, cache_v, k
     cache_k[rows, slots] = k
     cache_v[rows, slots] = v
     keys, values = cache_k[:B, :kv_len], cache_v[:B, :kv_len]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask, enable_gqa=k.shape[2] != H)
+    args = (q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+    if q.is_cuda:
+        # Not cuDNN's attention: it builds an execution plan for every new shape, and decoding
+        # changes kv_len every step (on an H200 that made an eager round 8x slower than its
+        # fixed-shape forwards).
+        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(*args, attn_mask=mask, enable_gqa=k.shape[2] != H)
+    else:
+        out = F.scaled_dot_product_attention(*args, attn_mask=mask, enable_gqa=k.shape[2] != H)
     return out.transpose(1, 2).reshape(B, T, H * D)
 
 
