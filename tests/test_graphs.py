@@ -8,6 +8,7 @@ from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.engine.graphs import StepGraphs, batch_bucket
 from specengine.engine.runner import feed
+from specengine.sampling.batch import SamplingBatch
 
 from engine_util import tiny_model
 
@@ -114,3 +115,44 @@ def test_auto_gamma_times_the_static_steps_its_rounds_take():
     params = [SamplingParams(max_new_tokens=15, temperature=0.0), SamplingParams(max_new_tokens=9, temperature=0.0)]
     want = [r.token_ids for r in eager.generate(PROMPTS[:2], params)]
     assert [r.token_ids for r in static.generate(PROMPTS[:2], params)] == want
+
+
+def test_static_catch_up_is_one_fixed_shape_step_and_decodes_as_eager():
+    """With static steps the drafter's per-round catch-up always feeds the last two tokens (one of
+    them again after a rejection) as one fixed-shape step; a one-token prompt feeds its token and a
+    padding slot. Outputs equal the eager engine's (which feeds 1 or 2 tokens as needed); a round
+    with a longer gap (gamma="auto" drafting 0) takes the eager feed."""
+    eager, static = engines("cpu")
+    prompts = [[4], [7, 7], [3, 9, 27, 1, 3]]
+    params = [SamplingParams(max_new_tokens=n, temperature=t, seed=s) for n, t, s in [(14, 0.0, 1), (18, 1.0, 2),
+                                                                                       (11, 0.9, 3)]]
+    want = [r.token_ids for r in eager.generate(prompts, params)]
+    assert [r.token_ids for r in static.generate(prompts, params)] == want
+    draft_shapes = sorted(static.drafter.steps.steps)
+    assert (4, 2) in draft_shapes and (4, 1) in draft_shapes  # the catch-up and the draft steps
+    # The first draft distribution of each row is the draft model's on its whole prompt.
+    drafter, model = static.drafter, static.drafter.model
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * 3, [1, 2, 3], "cpu")
+    drafter.start(prompts, 32)
+    with torch.inference_mode():  # as the engine runs (its static buffers are inference tensors)
+        first = drafter.propose(prompts, [2, 2, 2], sampling).logits[:, 0]
+        for row, prompt in enumerate(prompts):
+            fresh = model.new_cache(1, 32)
+            want = model.logits(model(torch.tensor([prompt]), fresh.lengths.clone(), fresh))[0, -1]
+            torch.testing.assert_close(first[row], want, atol=1e-5, rtol=1e-5)
+
+
+def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed():
+    """gamma="auto" may draft 0 for a few rounds: the drafter then lacks more than the static width.
+    Its first draft distribution must still be the draft model's on the whole sequence."""
+    _, static = engines("cpu")
+    drafter, model = static.drafter, static.drafter.model
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)], [1], "cpu")
+    drafter.start([[1, 2, 3]], 32)  # caches [1, 2]
+    sequence = [1, 2, 3, 5, 6, 7]  # three target-only rounds later: 4 tokens to catch up on
+    with torch.no_grad():
+        proposal = drafter.propose([sequence], [2], sampling)
+        fresh = model.new_cache(1, 32)
+        want = model.logits(model(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[:, -1]
+    torch.testing.assert_close(proposal.logits[:, 0], want, atol=1e-5, rtol=1e-5)
+    assert drafter.cache_lengths.tolist() == [len(sequence) + 1]  # the gap, then one draft step

@@ -50,13 +50,16 @@ class ModelDrafter:
         # Verification clipped the lengths to the target's, len(sequence) - 1 (see cache_lengths).
         cached = [min(fed, len(seq) - 1) for fed, seq in zip(self.fed, sequences)]
         # Catch up on what the cache lacks: the last token, plus the last draft after full acceptance.
-        hidden = feed(self.model, self.cache, [seq[n:] for seq, n in zip(sequences, cached)], cached)
+        if self.steps is not None and all(len(seq) - n <= self.CATCH_UP_WIDTH for seq, n in zip(sequences, cached)):
+            logits = self._catch_up_static(sequences)
+        else:  # (also after rounds without drafts, gamma="auto"'s g = 0, which leave longer gaps)
+            hidden = feed(self.model, self.cache, [seq[n:] for seq, n in zip(sequences, cached)], cached)
+            logits = self.model.logits(hidden)
         self.fed = [len(seq) + G - 1 for seq in sequences]  # after the G - 1 draft steps below
         device = self.model.device
         positions = to_device([len(s) for s in sequences], torch.int64, device)[:, None] + torch.arange(G, device=device)
         u = uniforms(sampling.seeds, positions, STREAM_DRAFT)  # [B, G]
         tokens, all_logits = [], []
-        logits = self.model.logits(hidden)
         for i in range(G):
             logits = self._fit_vocab(logits)
             token = sample_warped(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
@@ -70,6 +73,26 @@ class ModelDrafter:
         # here); until then a broken row drafts some valid id (the clamp), harmlessly.
         num = to_device(budgets, torch.int64, device)
         return Proposal(torch.stack(tokens, 1), num, torch.stack(all_logits, 1), draft_calls=G)
+
+    # A round's catch-up is 1 or 2 tokens per row; with static steps it always feeds the last 2 (one
+    # of them again when the cache holds it: same prefix, same K/V), so it is one fixed-shape step
+    # (a graph replay on a GPU) instead of an eager forward of a new shape every round.
+    CATCH_UP_WIDTH = 2
+
+    def _catch_up_static(self, sequences: list[list[int]]) -> torch.Tensor:
+        """Feed each row's last CATCH_UP_WIDTH tokens at their positions (a one-token sequence: its
+        token and a padding slot, which the next draft step overwrites before anything reads it);
+        the cache lengths become the sequences' lengths. Returns the logits of each row's last
+        token [B, V]."""
+        W = self.CATCH_UP_WIDTH
+        starts = [max(len(seq) - W, 0) for seq in sequences]
+        chunks = [(seq[s:] + [0] * W)[:W] for seq, s in zip(sequences, starts)]
+        lengths = [len(seq) for seq in sequences]
+        host = to_device([starts, lengths, [n - 1 - s for n, s in zip(lengths, starts)]], torch.int64,
+                         self.model.device)  # [3, B] in one copy: starts, lengths, index of the last token
+        logits = self.steps(to_device(chunks, torch.int64, self.model.device), host[0])  # [B, W, V]
+        self.cache.lengths.copy_(host[1])
+        return logits[torch.arange(len(sequences), device=logits.device), host[2]]
 
     def _step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [B, 1, V] of one draft token per row at the cache's lengths."""
