@@ -73,6 +73,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--eager-gammas", type=int, nargs="*", default=None,
+                        help="gammas for specengine eager (default: --gammas; eager rounds are the slow rows)")
     parser.add_argument("--no-auto", action="store_true", help="skip the gamma='auto' rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -116,8 +118,10 @@ def main():
     prompts = heldout_prompts(tokenizer, args.prompts, length=64, start_fraction=1 / 3)
     max_batch = max(args.batches)
     engines = {("graphs", 0): Engine(target, tokenizer, cuda_graphs=True, max_batch_size=max_batch)}
-    for g in args.gammas:
+    eager_gammas = args.gammas if args.eager_gammas is None else args.eager_gammas
+    for g in eager_gammas:
         engines[("eager", g)] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g)
+    for g in args.gammas:
         engines[("graphs", g)] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g,
                                         cuda_graphs=True, max_batch_size=max_batch)
     if not args.no_auto:
@@ -166,13 +170,15 @@ def main():
                                  vs_eager_loop=round(rate[c] / loop_rate, 3),
                                  vs_graphs_target_only=round(rate[c] / graphs_only, 3), alpha=alphas[c],
                                  greedy_equals_loop=same))
-            best = {k: max(args.gammas, key=lambda g: rate[(k, g)]) for k in ("eager", "graphs")}
+            best = {k: max(gs, key=lambda g: rate[(k, g)]) for k, gs in (("eager", eager_gammas), ("graphs", args.gammas))
+                    if gs}
             best_graphs_gamma[(B, T)] = best["graphs"]
             auto = "" if args.no_auto else (f"; auto with graphs {rate[('graphs', 'auto')]:.1f} "
                                              f"({rate[('graphs', 'auto')] / loop_rate:.2f}x)")
+            eager = (f"specengine eager {rate[('eager', best['eager'])]:.1f} (gamma {best['eager']}, "
+                     f"{rate[('eager', best['eager'])] / loop_rate:.2f}x); " if "eager" in best else "")
             print(f"batch {B} T={T:g}: eager loop {loop_rate:.1f} tok/s; target-only with graphs {graphs_only:.1f}; "
-                  f"specengine eager {rate[('eager', best['eager'])]:.1f} (gamma {best['eager']}, "
-                  f"{rate[('eager', best['eager'])] / loop_rate:.2f}x); with graphs {rate[('graphs', best['graphs'])]:.1f} "
+                  f"{eager}with graphs {rate[('graphs', best['graphs'])]:.1f} "
                   f"(gamma {best['graphs']}, {rate[('graphs', best['graphs'])] / loop_rate:.2f}x){auto}")
             if B == 1:
                 costs = graph_costs

@@ -1,6 +1,7 @@
-"""gamma="auto" against the best fixed gammas on the shipped pair, batch 1: a short, targeted run.
+"""gamma="auto" against the best fixed gammas on the shipped pair: a short, targeted run.
 
-    python bench/check_auto_gamma.py [--prompts 8] [--new-tokens 128] [--repeats 2] [--gammas 2 3]
+    python bench/check_auto_gamma.py [--batch 1] [--prompts 8] [--new-tokens 128] [--repeats 2] [--gammas 2 3]
+        [--temperatures 0 1]
 
 The full comparison is bench/bench_e2e.py (every gamma, batch 1 and 8, against HF); this
 reruns only the best fixed gammas and "auto" at temperature 0 and 1, interleaved, median of the repeats,
@@ -29,40 +30,46 @@ def main():
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--gammas", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--gammas", type=int, nargs="+", default=[2, 3], help="fixed gammas (0: target-only)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     args = parser.parse_args()
     target_dir, draft_dir = shipped_pair()
     base = Engine.from_pretrained(target_dir)
     target, tokenizer = base.target, base.tokenizer
     draft = Engine.from_pretrained(draft_dir).target
     prompts = heldout_prompts(tokenizer, args.prompts, length=64, start_fraction=1 / 3)  # as bench_e2e
-    costs = measure_costs(target, draft, 8)
-    print(f"draft step (forward + sampling) {1e3 * costs.draft_step_s:.2f} ms; target on 1..9 tokens "
-          f"{[round(1e3 * t, 2) for t in costs.verify_s]} ms")
-    engines = {g: Engine(target, tokenizer, ModelDrafter(draft, target.config.vocab_size, len(tokenizer)), gamma=g,
-                         costs={1: costs} if g == "auto" else None)
+    # as Engine(gamma="auto") measures them, once for every engine here
+    all_costs = {b: measure_costs(target, draft, 8, batch_size=b) for b in (1, 8)}
+    costs = all_costs[1 if args.batch < 8 else 8]
+    print(f"batch {args.batch}: draft step (forward + sampling) {1e3 * costs.draft_step_s:.2f} ms; target on 1..9 "
+          f"tokens {[round(1e3 * t, 2) for t in costs.verify_s]} ms")
+    V = target.config.vocab_size
+    engines = {g: Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)) if g != 0 else None,
+                         gamma=g if g != 0 else 5, costs=all_costs if g == "auto" else None)
                for g in [*args.gammas, "auto"]}
+    batches = [prompts[i: i + args.batch] for i in range(0, len(prompts), args.batch)]
     rates: dict[tuple[float, int | str], list[float]] = {}
     for rep in range(args.repeats):
-        for T in (0.0, 1.0):
+        for T in args.temperatures:
             for g, engine in engines.items():
                 t0, tokens = time.perf_counter(), 0
-                for i, prompt in enumerate(prompts):
-                    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=T, ignore_eos=True,
-                                            seed=100 * rep + i)
-                    tokens += len(engine.generate([prompt], params)[0].token_ids)
+                for i, batch in enumerate(batches):
+                    params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=T, ignore_eos=True,
+                                             seed=100 * rep + 10 * i + j) for j in range(len(batch))]
+                    tokens += sum(len(r.token_ids) for r in engine.generate(batch, params))
                 rates.setdefault((T, g), []).append(tokens / (time.perf_counter() - t0))
     date = datetime.date.today().isoformat()
     machine = f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
-    out = Path(__file__).resolve().parent / "results" / f"auto-gamma-{date}.csv"
+    out = Path(__file__).resolve().parent / "results" / f"auto-gamma-batch{args.batch}-{date}.csv"
     with out.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["machine", "date", "torch", "temperature", "gamma", "tokens_per_s", "draft_step_ms",
-                         "target_ms_k1_to_9"])
+        writer.writerow(["machine", "date", "torch", "batch", "temperature", "gamma", "tokens_per_s",
+                         "draft_step_ms", "target_ms_k1_to_9"])
         for (T, g), values in rates.items():
             rate = statistics.median(values)
-            print(f"T={T:g} gamma={g}: {rate:.1f} tok/s")
-            writer.writerow([machine, date, torch.__version__, T, g, round(rate, 2),
+            print(f"batch {args.batch} T={T:g} gamma={g}: {rate:.1f} tok/s")
+            writer.writerow([machine, date, torch.__version__, args.batch, T, g, round(rate, 2),
                              round(1e3 * costs.draft_step_s, 3), " ".join(f"{1e3 * t:.2f}" for t in costs.verify_s)])
     print(f"wrote {out}")
 

@@ -4,15 +4,16 @@
 # own timeout and each writing its results as it goes (a step cut short keeps what it measured):
 #   1. the CUDA-graph and engine tests (graph replay token-identical to eager decoding);
 #   2. bench_graphs on the memory-bound target (the shipped target embedded in a ~1B Llama, same
-#      logits): eager PyTorch loop vs specengine eager vs CUDA graphs at batch 1, greedy and T=1,
-#      the replayed step costs fed into Theorem 3.8, the host's share of a round;
-#   3. bench_graphs on the shipped pair at batch 1 and 8 (draft step eager vs replayed);
+#      logits): eager PyTorch loop vs specengine eager vs CUDA graphs at batch 1, greedy, the
+#      replayed step costs fed into Theorem 3.8, the host's share of a round;
+#   3. bench_graphs on the shipped pair at batch 1 and 8, greedy and T=1 (the same rows, and the
+#      draft step eager vs replayed);
 #   4. bench_costs: the pair's eager step costs at batch 1 and 8, alpha, time per round by phase;
 #   5. bench_verify: the fused Triton verify kernel against the torch reference, full grid;
 #   6. the Triton kernel tests, compiled (exact, statistical, invariants, no recompilation).
 # Logs, CSVs and JSON are written to a work folder and packed, after every step, into
 # $OUT/gpu-results.tar.gz (one file: the device tool returns at most 8). Budget: the steps'
-# timeouts add up to 345 s, the install's to 75 s.
+# timeouts add up to 430 s, the install's to 75 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-results}"
@@ -56,10 +57,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $OUT/NAME.l
 }
 
 step tests-graphs 40 "$PY" -m pytest -q -rs tests/test_graphs.py tests/test_engine_greedy.py tests/test_widen.py
-step graphs-widened 90 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 \
-  --prompts 4 --new-tokens 40 --repeats 3 --out "$OUT/graphs-widened.json"
-step graphs-shipped 75 "$PY" bench/bench_graphs.py --device cuda --target shipped --batches 1 8 \
-  --prompts 8 --new-tokens 32 --repeats 3 --out "$OUT/graphs-shipped.json"
+# Eager rounds are the slow rows (an eager step of the 1.0B target took 14-20 ms on the H200's host
+# in 2026-11-29's runs): one eager gamma on the widened target, sizes chosen to fit the timeouts.
+step graphs-widened 100 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 --temperatures 0 \
+  --gammas 2 3 4 --eager-gammas 3 --prompts 4 --new-tokens 32 --repeats 3 --out "$OUT/graphs-widened.json"
+step graphs-shipped 150 "$PY" bench/bench_graphs.py --device cuda --target shipped --batches 1 8 \
+  --gammas 1 2 3 4 --eager-gammas 2 --prompts 8 --new-tokens 32 --repeats 3 --out "$OUT/graphs-shipped.json"
 step costs 30 "$PY" bench/bench_costs.py --device cuda --big-layers 0 --prompts 8 --out "$OUT/costs-gpu.json"
 step verify-bench 50 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
 step tests-kernels 60 "$PY" -m pytest -q -rs tests/test_verify_kernels.py tests/test_sample_warped.py

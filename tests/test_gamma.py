@@ -154,3 +154,16 @@ def test_round_overhead_is_learned_and_favours_longer_rounds():
     for _ in range(200):
         controller.observe_round(1, 1, 0.0)
     assert controller.overhead_s[1] == pytest.approx(-0.5, rel=0.01)
+
+
+def test_auto_drafts_only_for_a_clear_predicted_gain():
+    """A predicted gain under DRAFT_MARGIN over target-only decoding is a near-tie that noisy costs
+    and estimates turn into a loss as often as a win: auto stays at gamma 0 (probes aside)."""
+    estimate = lambda: AcceptanceEstimate(accepted=7.0, rejected=3.0)  # noqa: E731  alpha 0.7
+    near_tie = CostModel(0.05, tuple(1.0 + 0.6 * k for k in range(9)))  # g=1: 1.7 tokens in 1.65 s
+    assert near_tie.best_gamma(0.7) == 1
+    gain = near_tie.tokens_per_second(0.7, 1) / near_tie.tokens_per_second(0.7, 0)
+    assert 1.0 < gain < 1 + GammaController.DRAFT_MARGIN
+    assert GammaController(near_tie).choose([estimate()]) == 0
+    clear = CostModel(0.05, tuple(1.0 + 0.1 * k for k in range(9)))
+    assert GammaController(clear).choose([estimate()]) == clear.best_gamma(0.7) > 0

@@ -109,33 +109,36 @@ def test_auto_gamma_times_the_static_steps_its_rounds_take():
                     max_batch_size=2)
     assert sorted(static.gamma_controller.costs_by_batch) == [1, 2]
     # every verification width 1..max_gamma+1 ran as a static target step, in both buckets
-    assert sorted(static.target_steps.steps) == [(b, k) for b in (1, 2) for k in range(1, 5)]
-    assert sorted(static.drafter.steps.steps) == [(1, 1), (2, 1)]
+    assert sorted(static.target_steps.graphs.entries) == [(b, k) for b in (1, 2) for k in range(1, 5)]
+    assert sorted(static.drafter.steps.graphs.entries) == [(1, 1), (2, 1)]
     eager = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
     params = [SamplingParams(max_new_tokens=15, temperature=0.0), SamplingParams(max_new_tokens=9, temperature=0.0)]
     want = [r.token_ids for r in eager.generate(PROMPTS[:2], params)]
     assert [r.token_ids for r in static.generate(PROMPTS[:2], params)] == want
 
 
-def test_static_catch_up_is_one_fixed_shape_step_and_decodes_as_eager():
-    """With static steps the drafter's per-round catch-up always feeds the last two tokens (one of
-    them again after a rejection) as one fixed-shape step; a one-token prompt feeds its token and a
-    padding slot. Outputs equal the eager engine's (which feeds 1 or 2 tokens as needed); a round
-    with a longer gap (gamma="auto" drafting 0) takes the eager feed."""
+def test_static_draft_phase_is_one_fixed_shape_computation_and_decodes_as_eager():
+    """With static steps the whole draft phase (the catch-up, which always feeds the last two
+    tokens, one of them again after a rejection; the draft steps; the samplings) is one
+    fixed-shape computation per (bucket, gamma); a one-token prompt feeds its token and a padding
+    slot. Outputs equal the eager engine's (which feeds 1 or 2 tokens as needed)."""
     eager, static = engines("cpu")
     prompts = [[4], [7, 7], [3, 9, 27, 1, 3]]
     params = [SamplingParams(max_new_tokens=n, temperature=t, seed=s) for n, t, s in [(14, 0.0, 1), (18, 1.0, 2),
                                                                                        (11, 0.9, 3)]]
     want = [r.token_ids for r in eager.generate(prompts, params)]
     assert [r.token_ids for r in static.generate(prompts, params)] == want
-    draft_shapes = sorted(static.drafter.steps.steps)
-    assert (4, 2) in draft_shapes and (4, 1) in draft_shapes  # the catch-up and the draft steps
+    # one fixed-shape draft phase per (bucket, gamma) in use, no separate draft steps
+    keys = static.drafter.steps.graphs.entries
+    assert ("draft phase", 4, 3) in keys and all(k[0] == "draft phase" for k in keys)
     # The first draft distribution of each row is the draft model's on its whole prompt.
     drafter, model = static.drafter, static.drafter.model
     sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * 3, [1, 2, 3], "cpu")
     drafter.start(prompts, 32)
     with torch.inference_mode():  # as the engine runs (its static buffers are inference tensors)
         first = drafter.propose(prompts, [2, 2, 2], sampling).logits[:, 0]
+        # as the eager path leaves it: the catch-up and one draft step fed, the last draft not
+        assert drafter.cache_lengths.tolist() == [len(p) + 1 for p in prompts]
         for row, prompt in enumerate(prompts):
             fresh = model.new_cache(1, 32)
             want = model.logits(model(torch.tensor([prompt]), fresh.lengths.clone(), fresh))[0, -1]

@@ -47,17 +47,30 @@ class ModelDrafter:
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         G = max(budgets)
+        device = self.model.device
         # Verification clipped the lengths to the target's, len(sequence) - 1 (see cache_lengths).
         cached = [min(fed, len(seq) - 1) for fed, seq in zip(self.fed, sequences)]
-        # Catch up on what the cache lacks: the last token, plus the last draft after full acceptance.
-        if self.steps is not None and all(len(seq) - n <= self.CATCH_UP_WIDTH for seq, n in zip(sequences, cached)):
-            logits = self._catch_up_static(sequences)
-        else:  # (also after rounds without drafts, gamma="auto"'s g = 0, which leave longer gaps)
+        gaps = [len(seq) - n for seq, n in zip(sequences, cached)]
+        if self.steps is not None and max(gaps) <= self.CATCH_UP_WIDTH:
+            tokens, logits = self._propose_static(sequences, sampling, G)
+        else:
+            # Catch up on what the cache lacks: the last token, plus the last draft after full
+            # acceptance (more after rounds without drafts, gamma="auto"'s g = 0).
             hidden = feed(self.model, self.cache, [seq[n:] for seq, n in zip(sequences, cached)], cached)
-            logits = self.model.logits(hidden)
-        self.fed = [len(seq) + G - 1 for seq in sequences]  # after the G - 1 draft steps below
-        device = self.model.device
-        positions = to_device([len(s) for s in sequences], torch.int64, device)[:, None] + torch.arange(G, device=device)
+            lengths = self.cache.lengths.clone()  # [B] the first draft's position in each row
+            tokens, logits = self._draft_loop(self.model.logits(hidden), lengths, sampling, G, self._step)
+            self.cache.lengths.add_(G - 1)
+        self.fed = [len(seq) + G - 1 for seq in sequences]  # the catch-up and G - 1 draft steps
+        # The engine checks these logits when it reads the round's results (no synchronisation
+        # here); until then a broken row drafts some valid id (the clamp), harmlessly.
+        return Proposal(tokens, to_device(budgets, torch.int64, device), logits, draft_calls=G)
+
+    def _draft_loop(self, logits: torch.Tensor, lengths: torch.Tensor, sampling: SamplingBatch, G: int,
+                    step) -> tuple[torch.Tensor, torch.Tensor]:
+        """G drafts per row from the logits of each row's last token [B, V_draft]; lengths [B] is the
+        first draft's position; step(tokens [B], positions [B]) -> next logits [B, V_draft] feeds a
+        draft. Returns tokens [B, G] and the (vocabulary-fitted) logits they came from [B, G, V]."""
+        positions = lengths[:, None] + torch.arange(G, device=lengths.device)
         u = uniforms(sampling.seeds, positions, STREAM_DRAFT)  # [B, G]
         tokens, all_logits = [], []
         for i in range(G):
@@ -67,38 +80,52 @@ class ModelDrafter:
             tokens.append(token)
             all_logits.append(logits)
             if i + 1 < G:
-                logits = self._step(token[:, None])[:, 0]
-                self.cache.lengths.add_(1)
-        # The engine checks these logits when it reads the round's results (no synchronisation
-        # here); until then a broken row drafts some valid id (the clamp), harmlessly.
-        num = to_device(budgets, torch.int64, device)
-        return Proposal(torch.stack(tokens, 1), num, torch.stack(all_logits, 1), draft_calls=G)
+                logits = step(token, positions[:, i])
+        return torch.stack(tokens, 1), torch.stack(all_logits, 1)
 
-    # A round's catch-up is 1 or 2 tokens per row; with static steps it always feeds the last 2 (one
-    # of them again when the cache holds it: same prefix, same K/V), so it is one fixed-shape step
-    # (a graph replay on a GPU) instead of an eager forward of a new shape every round.
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of one draft token per row [B] at these positions [B] (eager, or a static step)."""
+        if self.steps is not None:
+            return self.steps(tokens[:, None], positions)[:, 0]
+        return self.model.logits(self.model(tokens[:, None], positions, self.cache))[:, 0]
+
+    # A round's catch-up is 1 or 2 tokens per row. The static path always feeds the last 2 (one of
+    # them again when the cache holds it: same prefix, same K/V), which makes the whole draft
+    # phase (catch-up, G - 1 draft steps, G samplings) one fixed-shape computation per (batch
+    # bucket, G): one graph replay a round on a GPU instead of about 10 launches per draft step.
     CATCH_UP_WIDTH = 2
 
-    def _catch_up_static(self, sequences: list[list[int]]) -> torch.Tensor:
-        """Feed each row's last CATCH_UP_WIDTH tokens at their positions (a one-token sequence: its
-        token and a padding slot, which the next draft step overwrites before anything reads it);
-        the cache lengths become the sequences' lengths. Returns the logits of each row's last
-        token [B, V]."""
-        W = self.CATCH_UP_WIDTH
-        starts = [max(len(seq) - W, 0) for seq in sequences]
-        chunks = [(seq[s:] + [0] * W)[:W] for seq, s in zip(sequences, starts)]
-        lengths = [len(seq) for seq in sequences]
-        host = to_device([starts, lengths, [n - 1 - s for n, s in zip(lengths, starts)]], torch.int64,
-                         self.model.device)  # [3, B] in one copy: starts, lengths, index of the last token
-        logits = self.steps(to_device(chunks, torch.int64, self.model.device), host[0])  # [B, W, V]
-        self.cache.lengths.copy_(host[1])
-        return logits[torch.arange(len(sequences), device=logits.device), host[2]]
+    def _propose_static(self, sequences: list[list[int]], sampling: SamplingBatch,
+                        G: int) -> tuple[torch.Tensor, torch.Tensor]:
+        B, W, steps = len(sequences), self.CATCH_UP_WIDTH, self.steps
+        bucket, capacity, device = steps.bucket(B), steps.cache.capacity, self.model.device
+        # A one-token sequence feeds its token and a padding slot, which its first draft step
+        # overwrites before anything reads it. Padding rows start at the spill slot.
+        starts = [max(len(seq) - W, 0) for seq in sequences] + [capacity] * (bucket - B)
+        chunks = [(seq[s:] + [0] * W)[:W] for seq, s in zip(sequences, starts)] + [[0] * W] * (bucket - B)
+        lengths = [len(seq) for seq in sequences] + [capacity] * (bucket - B)
+        last = [n - 1 - s for n, s in zip(lengths, starts[:B])] + [0] * (bucket - B)
+        key = ("draft phase", bucket, G)
+        buffers = steps.graphs.buffers(key, lambda: dict(
+            chunks=torch.zeros(bucket, W, dtype=torch.int64, device=device),
+            rows=torch.zeros(3, bucket, dtype=torch.int64, device=device),  # starts, lengths, last-token index
+            temperature=torch.zeros(bucket, device=device), top_k=torch.zeros(bucket, dtype=torch.int64, device=device),
+            top_p=torch.ones(bucket, device=device), min_p=torch.zeros(bucket, device=device),
+            seeds=torch.zeros(bucket, dtype=torch.int64, device=device)))
+        buffers["chunks"].copy_(to_device(chunks, torch.int64, device))
+        buffers["rows"].copy_(to_device([starts, lengths, last], torch.int64, device))
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
+            buffers[name][:B].copy_(getattr(sampling, name))
+        tokens, logits = steps.graphs.run(key, lambda **b: self._draft_phase(G=G, **b))
+        self.cache.lengths.copy_(buffers["rows"][1, :B] + (G - 1))
+        return tokens[:B], logits[:B]
 
-    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, 1, V] of one draft token per row at the cache's lengths."""
-        if self.steps is not None:
-            return self.steps(tokens, self.cache.lengths)
-        return self.model.logits(self.model(tokens, self.cache.lengths.clone(), self.cache))
+    def _draft_phase(self, chunks, rows, temperature, top_k, top_p, min_p, seeds, G: int):
+        """The static draft phase of a full bucket on the persistent cache (see _propose_static)."""
+        (catch_up,) = self.steps.forward(chunks, rows[0])  # [bucket, W, V_draft]
+        logits = catch_up[torch.arange(chunks.shape[0], device=chunks.device), rows[2]]
+        step = lambda tokens, positions: self.steps.forward(tokens[:, None], positions)[0][:, 0]  # noqa: E731
+        return self._draft_loop(logits, rows[1], SamplingBatch(temperature, top_k, top_p, min_p, seeds), G, step)
 
     @property
     def cache_lengths(self) -> torch.Tensor:

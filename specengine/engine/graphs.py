@@ -9,7 +9,9 @@ shapes and addresses, so a step runs on static buffers:
     instead of the longest row;
   - the cache is one preallocated StaticKVCache that every run reuses.
 Each (bucket, tokens per row) is captured on first use, after two warm-up runs on a side
-stream (lazy initialisation, Triton autotuning and allocations stay outside the graph).
+stream (lazy initialisation, Triton compilation and allocations stay outside the graph).
+GraphedCalls is the general form: any function of static buffers, captured per key (the
+drafter captures its whole draft phase this way).
 
 On a CPU, or when capture fails (the reason goes to the log), the same static-shape path runs
 eagerly: the bookkeeping is the same, so it is tested without a GPU.
@@ -17,6 +19,7 @@ eagerly: the bookkeeping is the same, so it is tested without a GPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,86 +40,126 @@ def batch_bucket(batch_size: int, max_batch_size: int) -> int:
 
 
 @dataclass
-class _Step:
-    tokens: torch.Tensor           # [bucket, T] int64 static input
-    start: torch.Tensor            # [bucket] int64 static input
-    logits: torch.Tensor | None    # [bucket, T, V] float32 static output (graphs), else None
-    graph: "torch.cuda.CUDAGraph | None"
+class _Entry:
+    buffers: dict[str, torch.Tensor]               # static inputs, filled by the caller before each run
+    outputs: tuple[torch.Tensor, ...] | None = None  # static outputs of the captured graph
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class GraphedCalls:
+    """Functions of static input buffers, each captured as a CUDA graph on its first run (per key)
+    and replayed after. A key fixes the buffers' shapes; the caller fills them in place, then runs.
+
+    The graphs of one GraphedCalls share a memory pool of their own (runs never overlap), apart
+    from every other model's. Each replay returns copies of the static outputs, so a later replay
+    cannot overwrite what a caller kept. With use_graphs off, or after a capture failed (the reason
+    is logged and kept in fallback_reason), the functions run eagerly on the same buffers.
+    """
+
+    def __init__(self, use_graphs: bool):
+        self.use_graphs = use_graphs
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.fallback_reason: str | None = None
+        self.entries: dict[object, _Entry] = {}
+        self.replays = 0  # runs served by a graph (tests and benchmarks read it)
+
+    def buffers(self, key, make: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """key's static input buffers, made by make() on first use."""
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _Entry(make())
+        return entry.buffers
+
+    def run(self, key, fn: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        """fn(**key's buffers): the tensors it returns (copies when replayed from a graph)."""
+        entry = self.entries[key]
+        if self.use_graphs and entry.graph is None:
+            try:
+                entry.outputs, entry.graph = self._capture(fn, entry.buffers)
+            except Exception as exc:  # noqa: BLE001 (any capture failure means: run eagerly, and say why)
+                self.use_graphs = False
+                self.fallback_reason = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture failed (%s); running eagerly: %s", key, self.fallback_reason)
+                for other in self.entries.values():
+                    other.graph = other.outputs = None
+        if entry.graph is None:
+            return fn(**entry.buffers)
+        entry.graph.replay()
+        self.replays += 1
+        return tuple(t.clone() for t in entry.outputs)
+
+    def _capture(self, fn, buffers):
+        # Two warm-up runs on a side stream keep lazy initialisation, Triton compilation and
+        # allocations out of the graph. They run on the caller's inputs, so any state they write
+        # (cache entries) is what the replay writes again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(**buffers)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn(**buffers)
+        return outputs, graph
 
 
 class StepGraphs:
     """A model's persistent cache (max_batch_size rows of `capacity` tokens, reused by every run)
     and its fixed-shape steps: logits [B, T, V] of tokens [B, T] at per-row start positions.
 
-    use_graphs: capture CUDA graphs (default: when the model is on a CUDA device). The graphs
-    of one StepGraphs share a memory pool of their own, so the draft's and the target's graphs
-    never share memory; every call returns a fresh copy of the static output, so a later
-    replay cannot overwrite what a caller kept.
+    use_graphs: capture CUDA graphs (default: when the model is on a CUDA device); `graphs` holds
+    them, keyed (bucket, tokens per row). Other fixed-shape work on this model and cache (the
+    drafter's whole draft phase) is captured in `graphs` too, under keys of its own.
     """
 
     def __init__(self, model: LlamaForCausalLM, max_batch_size: int, capacity: int, use_graphs: bool | None = None):
         on_cuda = model.device.type == "cuda"
-        self.use_graphs = on_cuda if use_graphs is None else use_graphs
-        if self.use_graphs and not on_cuda:
+        use_graphs = on_cuda if use_graphs is None else use_graphs
+        if use_graphs and not on_cuda:
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model = model
         self.cache = model.new_cache(max_batch_size, capacity)
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.fallback_reason: str | None = None
-        self.steps: dict[tuple[int, int], _Step] = {}
-        self.replays = 0  # calls served by a graph (tests and benchmarks read it)
+        self.graphs = GraphedCalls(use_graphs)
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.graphs.use_graphs
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return self.graphs.fallback_reason
+
+    @property
+    def replays(self) -> int:
+        return self.graphs.replays
 
     def new_batch(self, batch_size: int) -> StaticKVCache:
         """The persistent cache, emptied for a batch of batch_size rows."""
         self.cache.reset(batch_size)
         return self.cache
 
+    def bucket(self, batch_size: int) -> int:
+        return batch_bucket(batch_size, self.cache.allocated_rows)
+
     def __call__(self, tokens: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] int64, start_pos [B] int64 (each row's first position, its cache length)."""
         B, T = tokens.shape
-        bucket = batch_bucket(B, self.cache.allocated_rows)
-        step = self.steps.get((bucket, T)) or self._build(bucket, T)
-        step.tokens[:B].copy_(tokens)
-        step.start[:B].copy_(start_pos)
+        bucket, capacity, device = self.bucket(B), self.cache.capacity, tokens.device
+        key = (bucket, T)
+        # Padding rows start at the spill slot: their writes land where no query reads, so they
+        # never touch a live cache entry.
+        buffers = self.graphs.buffers(key, lambda: dict(
+            tokens=torch.zeros(bucket, T, dtype=torch.int64, device=device),
+            start=torch.full((bucket,), capacity, dtype=torch.int64, device=device)))
+        buffers["tokens"][:B].copy_(tokens)
+        buffers["start"][:B].copy_(start_pos)
         if B < bucket:  # rows a larger batch used before: back to the spill slot
-            step.start[B:].fill_(self.cache.capacity)
-        if step.graph is None:
-            return self._forward(step)[:B]
-        step.graph.replay()
-        self.replays += 1
-        return step.logits[:B].clone()
+            buffers["start"][B:].fill_(capacity)
+        (logits,) = self.graphs.run(key, self.forward)
+        return logits[:B]
 
-    def _forward(self, step: _Step) -> torch.Tensor:
-        hidden = self.model(step.tokens, step.start, self.cache, kv_len=self.cache.capacity)
-        return self.model.logits(hidden)
-
-    def _build(self, bucket: int, T: int) -> _Step:
-        device = self.cache.k.device
-        # Padding rows (and every warm-up run) start at the spill slot: their writes land where
-        # no query reads, so they never touch a live cache entry.
-        step = _Step(torch.zeros(bucket, T, dtype=torch.int64, device=device),
-                     torch.full((bucket,), self.cache.capacity, dtype=torch.int64, device=device), None, None)
-        self.steps[(bucket, T)] = step
-        if self.use_graphs:
-            try:
-                step.logits, step.graph = self._capture(step)
-            except Exception as exc:  # noqa: BLE001 (any capture failure means: run eagerly, and say why)
-                self.use_graphs = False
-                self.fallback_reason = f"{type(exc).__name__}: {exc}"
-                log.warning("CUDA graph capture failed (batch bucket %d, %d tokens per row); running eagerly: %s",
-                            bucket, T, self.fallback_reason)
-                for other in self.steps.values():
-                    other.graph = other.logits = None
-        return step
-
-    def _capture(self, step: _Step):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(step)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(step)
-        return logits, graph
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor]:
+        """Logits [bucket, T, V] of a full bucket on the persistent cache (attention spans its capacity)."""
+        hidden = self.model(tokens, start, self.cache, kv_len=self.cache.capacity)
+        return (self.model.logits(hidden),)
