@@ -13,7 +13,8 @@ so the same alpha against the shipped draft) whose step reads 2 GB of weights: m
    so c and the verification costs are measured on the path each engine takes.
 2. End to end, each batch size and temperature, held-out prompts: the eager PyTorch target-only
    loop (bench_e2e.eager_decode), specengine target-only with graphs, specengine eager and with
-   cuda_graphs for each gamma, and gamma="auto" with graphs; tokens/s, ratios to the eager loop,
+   cuda_graphs for each gamma (also reading back every --check-every rounds: "blocks"), and
+   gamma="auto" with graphs; tokens/s, ratios to the eager loop,
    alpha; greedy outputs checked equal to the loop's. Interleaved repeats, medians.
 3. Theorem 3.8 with graphs: the measured speedup of each gamma over target-only with graphs,
    next to the prediction from the replayed step costs and the run's alpha.
@@ -76,6 +77,8 @@ def main():
     parser.add_argument("--eager-gammas", type=int, nargs="*", default=None,
                         help="gammas for specengine eager (default: --gammas; eager rounds are the slow rows)")
     parser.add_argument("--no-auto", action="store_true", help="skip the gamma='auto' rows")
+    parser.add_argument("--check-every", type=int, default=8,
+                        help="also run graphs with check_every=N (rounds from device state; 0 skips)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -124,6 +127,9 @@ def main():
     for g in args.gammas:
         engines[("graphs", g)] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g,
                                         cuda_graphs=True, max_batch_size=max_batch)
+        if args.check_every > 1:
+            engines[("blocks", g)] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g,
+                                            cuda_graphs=True, max_batch_size=max_batch, check_every=args.check_every)
     if not args.no_auto:
         engines[("graphs", "auto")] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma="auto",
                                              max_gamma=max(args.gammas), cuda_graphs=True, max_batch_size=max_batch)
@@ -170,11 +176,15 @@ def main():
                                  vs_eager_loop=round(rate[c] / loop_rate, 3),
                                  vs_graphs_target_only=round(rate[c] / graphs_only, 3), alpha=alphas[c],
                                  greedy_equals_loop=same))
-            best = {k: max(gs, key=lambda g: rate[(k, g)]) for k, gs in (("eager", eager_gammas), ("graphs", args.gammas))
-                    if gs}
+            best = {k: max(gs, key=lambda g: rate[(k, g)]) for k, gs in
+                    (("eager", eager_gammas), ("graphs", args.gammas),
+                     ("blocks", args.gammas if args.check_every > 1 else [])) if gs}
             best_graphs_gamma[(B, T)] = best["graphs"]
             auto = "" if args.no_auto else (f"; auto with graphs {rate[('graphs', 'auto')]:.1f} "
                                              f"({rate[('graphs', 'auto')] / loop_rate:.2f}x)")
+            if "blocks" in best:
+                auto += (f"; graphs reading every {args.check_every} rounds {rate[('blocks', best['blocks'])]:.1f} "
+                         f"(gamma {best['blocks']}, {rate[('blocks', best['blocks'])] / loop_rate:.2f}x)")
             eager = (f"specengine eager {rate[('eager', best['eager'])]:.1f} (gamma {best['eager']}, "
                      f"{rate[('eager', best['eager'])] / loop_rate:.2f}x); " if "eager" in best else "")
             print(f"batch {B} T={T:g}: eager loop {loop_rate:.1f} tok/s; target-only with graphs {graphs_only:.1f}; "

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cuda-graphs", action="store_true",
                      help="replay the draft steps and verifications from CUDA graphs (on CPU: the same "
                           "fixed-shape steps, run eagerly)")
+    gen.add_argument("--check-every", type=int, default=1, metavar="N",
+                     help="with --cuda-graphs: run up to N rounds from device state between reads "
+                          "(output streams N rounds at a time)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
     return parser
 
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
                                         device=args.device, dtype=args.dtype, nvtx=args.nvtx,
                                         weight_dtype=args.weight_dtype, cuda_graphs=args.cuda_graphs,
-                                        max_batch_size=1)
+                                        max_batch_size=1, check_every=args.check_every)
         if args.json:
             (result,) = engine.generate([args.prompt], params)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids,

@@ -97,26 +97,59 @@ class ModelDrafter:
 
     def _propose_static(self, sequences: list[list[int]], sampling: SamplingBatch,
                         G: int) -> tuple[torch.Tensor, torch.Tensor]:
-        B, W, steps = len(sequences), self.CATCH_UP_WIDTH, self.steps
-        bucket, capacity, device = steps.bucket(B), steps.cache.capacity, self.model.device
+        B, W, device = len(sequences), self.CATCH_UP_WIDTH, self.model.device
+        bucket, capacity = self.steps.bucket(B), self.steps.cache.capacity
         # A one-token sequence feeds its token and a padding slot, which its first draft step
         # overwrites before anything reads it. Padding rows start at the spill slot.
         starts = [max(len(seq) - W, 0) for seq in sequences] + [capacity] * (bucket - B)
         chunks = [(seq[s:] + [0] * W)[:W] for seq, s in zip(sequences, starts)] + [[0] * W] * (bucket - B)
         lengths = [len(seq) for seq in sequences] + [capacity] * (bucket - B)
         last = [n - 1 - s for n, s in zip(lengths, starts[:B])] + [0] * (bucket - B)
+
+        def fill(buffers):
+            buffers["chunks"].copy_(to_device(chunks, torch.int64, device))
+            buffers["rows"].copy_(to_device([starts, lengths, last], torch.int64, device))
+        return self._run_draft_phase(B, G, sampling, fill)
+
+    def propose_on_device(self, last_two: torch.Tensor, lengths: torch.Tensor, sampling: SamplingBatch,
+                          G: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static draft phase from device state alone (Engine(check_every=N) runs rounds without
+        reading the device): last_two [B, 2] int64, each row's last two tokens; lengths [B] int64
+        (>= 2), its length. Returns tokens [B, G] and logits [B, G, V]; call resync afterwards."""
+        B, capacity = last_two.shape[0], self.steps.cache.capacity
+
+        def fill(buffers):
+            buffers["chunks"][:B].copy_(last_two)
+            buffers["chunks"][B:].zero_()
+            rows = buffers["rows"]
+            rows[0, :B] = lengths - self.CATCH_UP_WIDTH
+            rows[1, :B] = lengths
+            rows[2, :B] = self.CATCH_UP_WIDTH - 1
+            rows[:2, B:] = capacity
+            rows[2, B:] = 0
+        return self._run_draft_phase(B, G, sampling, fill)
+
+    def resync(self, lengths: list[int]):
+        """After rounds run from device state: the rows now hold sequences of these lengths. The
+        cache holds at least all but the last two tokens (verification clipped it; full acceptance
+        leaves exactly that), and the static catch-up re-feeds those two."""
+        self.fed = [n - self.CATCH_UP_WIDTH for n in lengths]
+
+    def _run_draft_phase(self, B: int, G: int, sampling: SamplingBatch, fill) -> tuple[torch.Tensor, torch.Tensor]:
+        """fill(buffers) writes the bucket's chunks [bucket, W] and rows [3, bucket] (starts,
+        lengths, index of the last token in the chunk); the sampling rows are copied here."""
+        bucket, W, device = self.steps.bucket(B), self.CATCH_UP_WIDTH, self.model.device
         key = ("draft phase", bucket, G)
-        buffers = steps.graphs.buffers(key, lambda: dict(
+        buffers = self.steps.graphs.buffers(key, lambda: dict(
             chunks=torch.zeros(bucket, W, dtype=torch.int64, device=device),
-            rows=torch.zeros(3, bucket, dtype=torch.int64, device=device),  # starts, lengths, last-token index
+            rows=torch.zeros(3, bucket, dtype=torch.int64, device=device),
             temperature=torch.zeros(bucket, device=device), top_k=torch.zeros(bucket, dtype=torch.int64, device=device),
             top_p=torch.ones(bucket, device=device), min_p=torch.zeros(bucket, device=device),
             seeds=torch.zeros(bucket, dtype=torch.int64, device=device)))
-        buffers["chunks"].copy_(to_device(chunks, torch.int64, device))
-        buffers["rows"].copy_(to_device([starts, lengths, last], torch.int64, device))
+        fill(buffers)
         for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
             buffers[name][:B].copy_(getattr(sampling, name))
-        tokens, logits = steps.graphs.run(key, lambda **b: self._draft_phase(G=G, **b))
+        tokens, logits = self.steps.graphs.run(key, lambda **b: self._draft_phase(G=G, **b))
         self.cache.lengths.copy_(buffers["rows"][1, :B] + (G - 1))
         return tokens[:B], logits[:B]
 

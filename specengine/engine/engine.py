@@ -23,6 +23,7 @@ from ..ops.verify import IMPLEMENTATIONS, verify
 from ..sampling.batch import SamplingBatch, check_logits, logits_all_finite
 from ..sampling.params import SamplingParams
 from .gamma import CostModel, GammaController, measure_costs
+from .device_rounds import RowRounds, rounds_that_fit, run_block
 from .graphs import StepGraphs
 from .phases import Phases
 from .request import DecodeStats, Request, Result
@@ -40,7 +41,8 @@ class Engine:
                  gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
                  verify_impl: str = "auto", max_gamma: int = 8,
                  costs: CostModel | dict[int, CostModel] | None = None, nvtx: bool = False,
-                 time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int = 8):
+                 time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int = 8,
+                 check_every: int = 1):
         """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma, one
         value for the batch) from costs measured now (or given as `costs`) and each request's
         running acceptance rate.
@@ -51,7 +53,11 @@ class Engine:
         last_run_rounds rounds of the batch.
         cuda_graphs: run the target's verifications and the draft model's steps as fixed-shape
         steps on persistent caches of max_batch_size rows (see engine.graphs), replayed from CUDA
-        graphs on a GPU; on a CPU the same path runs eagerly. Batches of more rows are refused."""
+        graphs on a GPU; on a CPU the same path runs eagerly. Batches of more rows are refused.
+        check_every: with cuda_graphs, run up to this many rounds from device state before reading
+        the results back (engine.device_rounds): one synchronisation per block instead of per
+        round; output is streamed a block at a time, tokens are the same as round by round, and
+        stop conditions stay exact (rows are trimmed when the block is read)."""
         if verify_impl not in IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {verify_impl!r}")
         self.gamma_controller: GammaController | None = None
@@ -82,6 +88,12 @@ class Engine:
         self.last_run_stats: DecodeStats | None = None
         self.last_run_rounds = 0  # rounds of the whole batch (loop iterations) in the last run
         self.target_steps: StepGraphs | None = None
+        if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
+            raise ValueError(f"check_every must be a positive integer, got {check_every!r}")
+        if check_every > 1 and not cuda_graphs:
+            raise ValueError("check_every > 1 runs rounds from device state on the fixed-shape steps: "
+                             "it needs cuda_graphs=True")
+        self.check_every = check_every
         if cuda_graphs:
             if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
                 raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
@@ -108,7 +120,8 @@ class Engine:
                         gamma: int | str = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
                         max_seq_len: int | None = None, verify_impl: str = "auto", max_gamma: int = 8,
                         nvtx: bool = False, weight_dtype: str | torch.dtype | None = None,
-                        time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int = 8) -> "Engine":
+                        time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int = 8,
+                        check_every: int = 1) -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders.
 
         dtype is the compute dtype; weight_dtype the matrices' storage (see models.load_model:
@@ -138,7 +151,8 @@ class Engine:
             check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
             chosen = ModelDrafter(draft_model, target_model.config.vocab_size, len(tokenizer))
         return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl, max_gamma=max_gamma,
-                   nvtx=nvtx, time_phases=time_phases, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size)
+                   nvtx=nvtx, time_phases=time_phases, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size,
+                   check_every=check_every)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -251,36 +265,27 @@ class Engine:
 
         self.last_run_rounds = 0
         while active:
-            self.last_run_rounds += 1
             round_start = time.perf_counter()
             sequences = [r.tokens for r in active]
             gamma = self._round_gamma(active)
-            budgets = [min(gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
-                       for r, s in zip(active, sequences)]
-            with self.phases("draft"):
-                proposal = self._propose(sequences, budgets, sampling, device)
-            # Verification also advances both caches' lengths: that is the whole rollback.
-            emitted, num_emitted, logit_checks = self._verify_round(cache, sequences, proposal, sampling)
-
-            # The round's one read from the device (on CUDA the first .tolist() waits for it).
-            emitted_rows = emitted.tolist()
-            counts = num_emitted.tolist()
-            drafted = proposal.num_drafts.tolist()
-            for name, logits, finite in logit_checks:  # before any token of the round is kept
-                if not finite:
-                    check_logits(name, logits)
-            for r, row, count, n_drafts in zip(active, emitted_rows, counts, drafted):
-                self._account(r, count - 1, n_drafts, proposal.draft_calls)
-                r.acceptance.update(count - 1, int(count - 1 < n_drafts))
-                self._append(r, row[:count], capacity)
+            block = self._block_rounds(active, sequences, gamma, capacity)
+            if block > 1:
+                outcomes = run_block(self.target_steps, self.drafter, sampling, sequences, gamma, block,
+                                     self.verify_impl, self.phases)
+            else:
+                outcomes, gamma = self._round(cache, active, sequences, gamma, capacity, sampling, device)
+            self.last_run_rounds += outcomes[0].rounds
+            for r, outcome in zip(active, outcomes):
+                self._account(r, outcome)
+                r.acceptance.update(outcome.accepted, outcome.rejections)
+                self._append(r, outcome.tokens, capacity)
                 if r.finish_reason is not None:
                     r.stats.wall_time_s = time.perf_counter() - t0
                     if self.gamma_controller is not None:
                         self.gamma_controller.observe_finished(r.stats.accepted, r.stats.rejections)
             if self.gamma_controller is not None:
-                # proposal.tokens holds the drafts actually made (fewer than gamma near the limits)
-                self.gamma_controller.observe_round(len(active), proposal.tokens.shape[1],
-                                                    time.perf_counter() - round_start)
+                self.gamma_controller.observe_round(len(active), gamma,
+                                                    (time.perf_counter() - round_start) / outcomes[0].rounds)
             yield requests
 
             keep = [i for i, r in enumerate(active) if r.finish_reason is None]
@@ -300,6 +305,42 @@ class Engine:
         if self.gamma_controller is None:
             return self.gamma
         return self.gamma_controller.choose([r.acceptance for r in active])
+
+    def _round(self, cache, active: list[Request], sequences, gamma: int, capacity: int, sampling: SamplingBatch,
+               device) -> tuple[list[RowRounds], int]:
+        """One round, read back at its end; also returns the drafts actually made (fewer than gamma
+        near the rows' limits)."""
+        budgets = [min(gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
+                   for r, s in zip(active, sequences)]
+        with self.phases("draft"):
+            proposal = self._propose(sequences, budgets, sampling, device)
+        # Verification also advances both caches' lengths: that is the whole rollback.
+        emitted, num_emitted, logit_checks = self._verify_round(cache, sequences, proposal, sampling)
+
+        # The round's one read from the device (on CUDA the first .tolist() waits for it).
+        emitted_rows = emitted.tolist()
+        counts = num_emitted.tolist()
+        drafted = proposal.num_drafts.tolist()
+        for name, logits, finite in logit_checks:  # before any token of the round is kept
+            if not finite:
+                check_logits(name, logits)
+        G = proposal.tokens.shape[1]
+        outcomes = []
+        for row, count, n_drafts in zip(emitted_rows, counts, drafted):
+            histogram = [0] * (G + 1)
+            histogram[count - 1] = 1
+            outcomes.append(RowRounds(tokens=row[:count], rounds=1, draft_calls=proposal.draft_calls, drafted=n_drafts,
+                                      accepted=count - 1, rejections=int(count - 1 < n_drafts), histogram=histogram))
+        return outcomes, G
+
+    def _block_rounds(self, active: list[Request], sequences, gamma: int, capacity: int) -> int:
+        """Rounds to run from device state before reading back (1: a host round)."""
+        if self.check_every == 1 or min(len(s) for s in sequences) < 2:
+            return 1
+        if gamma > 0 and not hasattr(self.drafter, "propose_on_device"):
+            return 1
+        rooms = [min(r.params.max_new_tokens - len(r.generated), capacity - len(s)) for r, s in zip(active, sequences)]
+        return max(1, min(self.check_every, rounds_that_fit(rooms, gamma)))
 
     def _propose(self, sequences, budgets, sampling, device) -> Proposal:
         if self.drafter is None or max(budgets) == 0:
@@ -334,15 +375,16 @@ class Engine:
         return emitted, num_emitted, logit_checks
 
     @staticmethod
-    def _account(r: Request, accepted: int, drafted: int, draft_calls: int):
+    def _account(r: Request, outcome: RowRounds):
         s = r.stats
-        s.rounds += 1
-        s.target_calls += 1
-        s.draft_calls += draft_calls
-        s.drafted += drafted
-        s.accepted += accepted
-        s.rejections += accepted < drafted
-        s.accepted_histogram[accepted] += 1
+        s.rounds += outcome.rounds
+        s.target_calls += outcome.rounds
+        s.draft_calls += outcome.draft_calls
+        s.drafted += outcome.drafted
+        s.accepted += outcome.accepted
+        s.rejections += outcome.rejections
+        for accepted, rounds in enumerate(outcome.histogram):
+            s.accepted_histogram[accepted] += rounds
 
     def _append(self, r: Request, new_tokens: list[int], capacity: int):
         """Append a round's tokens, ending the request exactly at EOS, max_new_tokens or a stop string."""

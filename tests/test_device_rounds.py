@@ -1,0 +1,149 @@
+"""Engine(check_every=N): blocks of rounds run from device state and read back once. They must
+give exactly the tokens of round-by-round decoding, stop exactly, keep statistics consistent and
+refuse what they cannot do. On CPU the fixed-shape steps run eagerly; on a GPU the same code
+replays graphs."""
+import pytest
+import torch
+
+from specengine import Engine, SamplingParams
+from specengine.drafters.model import ModelDrafter
+from specengine.engine import engine as engine_module
+from specengine.engine.device_rounds import rounds_that_fit
+from specengine.sampling.batch import InvalidLogitsError, SamplingBatch
+
+from engine_util import tiny_model
+
+V = 40
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27, 1, 3, 9, 27], [4]]
+PARAMS = [SamplingParams(max_new_tokens=n, temperature=t, seed=s)
+          for n, t, s in [(30, 0.0, 1), (41, 1.0, 2), (17, 0.8, 3), (26, 0.0, 4)]]
+
+
+def models(device="cpu"):
+    return (tiny_model(V, seed=0, logit_scale=3.0).to(device),
+            tiny_model(V, seed=5, num_layers=1, logit_scale=3.0).to(device))
+
+
+def engine(target, draft, check_every=1, gamma=3, **kw):
+    drafter = ModelDrafter(draft, V, V) if draft is not None else None
+    return Engine(target, drafter=drafter, gamma=gamma, cuda_graphs=True, max_batch_size=4, check_every=check_every,
+                  **kw)
+
+
+@pytest.fixture
+def block_spy(monkeypatch):
+    """Records the rounds of every block the engine runs from device state."""
+    blocks = []
+    real = engine_module.run_block
+
+    def spy(*args):
+        blocks.append(args[5])
+        return real(*args)
+    monkeypatch.setattr(engine_module, "run_block", spy)
+    return blocks
+
+
+def test_rounds_that_fit():
+    # a round drafts gamma only while gamma + 1 tokens remain, and emits at most gamma + 1
+    assert rounds_that_fit([4], 3) == 1
+    assert rounds_that_fit([8], 3) == 2
+    assert rounds_that_fit([3], 3) == 0
+    assert rounds_that_fit([100, 9, 50], 3) == 2
+    assert rounds_that_fit([5], 0) == 5  # target-only: one token a round
+
+
+@pytest.mark.parametrize("check_every", [2, 5, 64])
+@pytest.mark.parametrize("draft_kind", ["weak", "perfect"])
+def test_blocks_decode_exactly_as_round_by_round(check_every, draft_kind, block_spy):
+    """Greedy and seeded sampling, rows of different lengths and limits (one one-token prompt),
+    rows finishing inside blocks: the same tokens as the engine that reads every round. The
+    perfect draft (the target itself) accepts everything: every round emits gamma + 1 tokens."""
+    target, draft = models()
+    if draft_kind == "perfect":
+        draft = target
+    want = [r.token_ids for r in engine(target, draft).generate(PROMPTS, PARAMS)]
+    blocks = engine(target, draft, check_every)
+    results = blocks.generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in results] == want
+    assert block_spy and 1 < max(block_spy) <= check_every
+    for r, p in zip(results, PARAMS):
+        s = r.stats
+        assert len(r.token_ids) == p.max_new_tokens == s.generated_tokens
+        assert sum(s.accepted_histogram) == s.rounds and s.accepted <= s.drafted <= 3 * s.rounds
+        assert s.accepted == sum(k * n for k, n in enumerate(s.accepted_histogram))
+        if draft_kind == "perfect":
+            assert s.accepted == s.drafted and s.rejections == 0
+        assert s.rounds >= -(-p.max_new_tokens // 4)  # at most gamma + 1 tokens a round
+
+
+def test_blocks_stop_exactly_at_eos_and_stop_strings(block_spy):
+    """A block computes past a row's EOS; what the user gets still ends exactly at it."""
+    target, draft = models()
+    free = engine(target, draft).generate(PROMPTS[:2], PARAMS[:2])
+    eos = free[0].token_ids[9]  # a token the first row emits as its 10th
+    want = engine(target, draft, eos_token_ids=[eos]).generate(PROMPTS[:2], PARAMS[:2])
+    got = engine(target, draft, 16, eos_token_ids=[eos]).generate(PROMPTS[:2], PARAMS[:2])
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == eos
+    assert len(got[0].token_ids) == free[0].token_ids.index(eos) + 1
+    assert block_spy
+
+
+def test_target_only_and_auto_gamma_blocks(block_spy):
+    target, draft = models()
+    plain = Engine(target, cuda_graphs=True, max_batch_size=4)
+    want = [r.token_ids for r in plain.generate(PROMPTS, PARAMS)]
+    blocked = Engine(target, cuda_graphs=True, max_batch_size=4, check_every=8)
+    assert [r.token_ids for r in blocked.generate(PROMPTS, PARAMS)] == want
+    assert max(block_spy) == 8
+    # auto: one gamma per block; greedy rows still give the target's greedy tokens
+    auto = engine(target, draft, 6, gamma="auto", max_gamma=4)
+    greedy = [SamplingParams(max_new_tokens=25, temperature=0.0)] * 3
+    assert ([r.token_ids for r in auto.generate(PROMPTS[:3], greedy)]
+            == [r.token_ids for r in plain.generate(PROMPTS[:3], greedy)])
+
+
+def test_broken_logits_inside_a_block_are_named_and_nothing_is_kept():
+    target, draft = models()
+    with torch.no_grad():
+        draft.lm_head.weight[3, 0] = float("nan")
+    with pytest.raises(InvalidLogitsError, match="draft logits had NaN or infinite entries within a block"):
+        engine(target, draft, 4).generate(PROMPTS[:1], PARAMS[:1])
+
+
+def test_check_every_is_validated():
+    target, draft = models()
+    with pytest.raises(ValueError, match="check_every must be a positive integer"):
+        engine(target, draft, 0)
+    with pytest.raises(ValueError, match="needs cuda_graphs=True"):
+        Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3, check_every=4)
+
+
+@pytest.mark.gpu
+def test_blocks_replay_graphs_and_decode_as_eager_on_cuda(block_spy):
+    target, draft = models("cuda")
+    eager = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
+    want = [r.token_ids for r in eager.generate(PROMPTS, PARAMS)]
+    blocks = engine(target, draft, 8)
+    assert [r.token_ids for r in blocks.generate(PROMPTS, PARAMS)] == want
+    assert block_spy and blocks.target_steps.replays > 0 and blocks.drafter.steps.replays > 0
+    assert blocks.target_steps.fallback_reason is None and blocks.drafter.steps.fallback_reason is None
+
+
+def test_drafter_state_after_a_block_serves_a_later_catch_up():
+    """After a block the drafter knows only that all but each row's last two tokens are cached (a
+    fully accepted last round leaves exactly that). A later catch-up over a longer gap (rounds of
+    gamma="auto" at 0) must then feed from there: its first draft distribution is the draft
+    model's on the whole sequence."""
+    target, _ = models()
+    blocks = engine(target, target, 64)  # the perfect draft: every round accepts all 3 drafts
+    (result,) = blocks.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert result.stats.rounds == 3 and result.stats.accepted == 9  # one block of three full rounds
+    sequence = PROMPTS[0] + result.token_ids + [5, 6, 7]
+    drafter = blocks.drafter
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)], [1], "cpu")
+    with torch.inference_mode():
+        first = drafter.propose([sequence], [2], sampling).logits[:, 0]
+        fresh = target.new_cache(1, 64)
+        want = target.logits(target(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[:, -1]
+    torch.testing.assert_close(first, want, atol=1e-5, rtol=1e-5)
