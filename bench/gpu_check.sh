@@ -66,7 +66,7 @@ step graphs-shipped 150 "$PY" bench/bench_graphs.py --device cuda --target shipp
   --gammas 1 2 3 4 --eager-gammas 2 --prompts 8 --new-tokens 32 --repeats 3 --out "$OUT/graphs-shipped.json"
 step costs 30 "$PY" bench/bench_costs.py --device cuda --big-layers 0 --prompts 8 --out "$OUT/costs-gpu.json"
 step verify-bench 50 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
-step tests-kernels 60 "$PY" -m pytest -q -rs tests/test_verify_kernels.py tests/test_sample_warped.py
+step tests-kernels 60 "$PY" -m pytest -q -rs tests/test_verify_kernels.py tests/test_sample_warped.py tests/test_csrc.py
 
 echo "results in $PACK/gpu-results.tar.gz (status $status)"
 exit $status

@@ -13,35 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-# As specengine/sampling/rng.py. A jitted function may read a global only if it is a
-# tl.constexpr (the interpreter does not enforce this; the compiler does).
-_STREAM_ACCEPT = tl.constexpr(0)
-_STREAM_SAMPLE = tl.constexpr(1)
-
-
-@triton.jit
-def _philox_uniform(seed, position, stream: tl.constexpr):
-    """Uniform in [0, 1) keyed by (seed, position, stream): Philox4x32-10, top 24 bits of word 0."""
-    c0 = (position & 0xFFFFFFFF).to(tl.uint64)
-    c1 = ((position >> 32) & 0xFFFFFFFF).to(tl.uint64)
-    c2 = (0 * position + stream).to(tl.uint64)
-    c3 = (0 * position).to(tl.uint64)
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint64)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint64)
-    for r in tl.static_range(10):
-        if r > 0:
-            k0 = (k0 + 0x9E3779B9) & 0xFFFFFFFF
-            k1 = (k1 + 0xBB67AE85) & 0xFFFFFFFF
-        prod0 = c0 * 0xD2511F53
-        prod1 = c2 * 0xCD9E8D57
-        c0_new = ((prod1 >> 32) ^ c1 ^ k0) & 0xFFFFFFFF
-        c2_new = ((prod0 >> 32) ^ c3 ^ k1) & 0xFFFFFFFF
-        c1 = prod1 & 0xFFFFFFFF
-        c3 = prod0 & 0xFFFFFFFF
-        c0 = c0_new
-        c2 = c2_new
-    return (c0 >> 8).to(tl.float32) * (1.0 / 16777216.0)
-
+from .philox import _STREAM_ACCEPT, _STREAM_SAMPLE, _philox_uniform
 
 @triton.jit
 def _warp_stats(row_ptr, V, temperature, top_k, top_p, min_p, BLOCK: tl.constexpr):

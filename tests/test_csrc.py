@@ -35,6 +35,21 @@ def test_cpp_uniforms_equal_reference_bit_for_bit():
     assert ((want >= 0) & (want < 1)).all()
 
 
+@pytest.mark.parametrize("K", [1, 9, 40])
+def test_triton_uniforms_equal_reference_bit_for_bit(K):
+    """The Triton kernel (in the interpreter on CPU; rng.uniforms takes it for CUDA tensors)."""
+    from specengine.kernels.philox import uniforms_triton
+
+    g = torch.Generator().manual_seed(K)
+    seeds = torch.cat([torch.tensor([0, 2**63 - 1, 2**32, 2**32 - 1]), torch.randint(0, 2**62, (3,), generator=g)])
+    positions = torch.randint(0, 2**40, (7, K), generator=g)
+    positions[0] = torch.arange(K)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for stream in (0, 1, 2):
+        got = uniforms_triton(seeds.to(device), positions.to(device), stream).cpu()
+        assert got.dtype == torch.float32 and torch.equal(got, uniforms_reference(seeds, positions, stream))
+
+
 def test_uniforms_are_uniform_and_streams_differ():
     seeds = torch.arange(64)
     positions = torch.arange(1000).expand(64, 1000).contiguous()

@@ -50,13 +50,18 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
     """Uniforms [B, K] float32 in [0, 1) on a 2**-24 grid, keyed by (seeds[b], positions[b, k], stream).
 
     seeds [B] int64 (>= 0); positions [B, K] int64 (>= 0), absolute token positions.
-    CPU tensors take the C++ op, others the torch reference (same numbers).
+    CPU tensors take the C++ op, CUDA tensors the Triton kernel (one launch instead of the
+    reference's ~150), others the torch reference (same numbers).
     """
     if seeds.device.type == "cpu":
         from .. import _C
 
         out = _C.philox_uniforms(seeds.contiguous().numpy(), positions.contiguous().numpy(), stream)
         return torch.from_numpy(out)
+    if seeds.device.type == "cuda" and positions.dim() == 2:
+        from ..kernels.philox import uniforms_triton
+
+        return uniforms_triton(seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous(), stream)
     return uniforms_reference(seeds, positions, stream)
 
 
