@@ -59,12 +59,13 @@ def test_one_gamma_for_the_batch_maximises_its_tokens_per_second():
     costs = CostModel(0.1, tuple(1.0 + 0.15 * k for k in range(9)))
     controller = GammaController({1: CostModel(0.01, (1.0,) * 9), 8: costs})
     for alphas in ([0.95] + [0.05] * 7, [0.9] * 8, [0.0] * 8, [0.3, 0.6, 0.8, 0.2, 0.9, 0.5, 0.7, 0.4]):
-        estimates = [AcceptanceEstimate(accepted=100 * a, rejected=100 * (1 - a)) for a in alphas]
+        # last_gamma 8: rows already drafting long rounds (no ramp limit, see test_gamma_ramps_up)
+        estimates = [AcceptanceEstimate(accepted=100 * a, rejected=100 * (1 - a), last_gamma=8) for a in alphas]
         assert controller.choose(estimates) == brute_force_batch_best(costs, alphas)
     mixed = [0.95] + [0.05] * 7
     assert brute_force_batch_best(costs, mixed) < costs.best_gamma(0.95)
     # A batch of one uses the batch-1 costs.
-    assert controller.choose([AcceptanceEstimate(95, 5)]) == 8
+    assert controller.choose([AcceptanceEstimate(95, 5, last_gamma=8)]) == 8
 
 
 def test_acceptance_estimate_tracks_recent_rounds():
@@ -91,6 +92,23 @@ def test_auto_gamma_with_useless_draft_decodes_like_target_only():
     # After a few rounds alpha's estimate collapses and rounds run without drafts (0 accepted).
     assert result.stats.drafted < 20 and hist[0] == result.stats.rounds - sum(hist[1:])
     assert len(hist) == 9
+
+
+def test_engine_flags_drafting_rounds_after_rounds_without_drafts(monkeypatch):
+    """The probes of a useless draft follow rounds at gamma 0: the engine says so, and the
+    controller does not learn their (longer) catch-up as drafting overhead."""
+    V = 48
+    target = tiny_model(V, seed=0, logit_scale=3.0)
+    useless = ModelDrafter(tiny_model(V, seed=7, num_layers=1, hidden_size=16), V, V)
+    engine = Engine(target, drafter=useless, gamma="auto", costs=CostModel(0.2, tuple(1.0 + 0.1 * k for k in range(9))))
+    seen = []
+    real = engine.gamma_controller.observe_round
+    monkeypatch.setattr(engine.gamma_controller, "observe_round",
+                        lambda b, g, seconds, after_gap=False: (seen.append((g, after_gap)), real(b, g, seconds, after_gap)))
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=60, temperature=0))
+    gammas = [g for g, _ in seen]
+    assert 0 in gammas and any(g > 0 for g in gammas[gammas.index(0):])  # rounds at 0, then a probe
+    assert [gap for _, gap in seen] == [False] + [previous == 0 for previous in gammas[:-1]]
 
 
 def test_auto_gamma_with_perfect_draft_drafts_many_tokens():
@@ -147,13 +165,13 @@ def test_round_overhead_is_learned_and_favours_longer_rounds():
     assert controller.choose([estimate]) == costs.best_gamma(0.6) == 1
     for _ in range(60):  # every round took 1.5 s more than modelled
         controller.observe_round(1, 1, costs.round_seconds(1) + 1.5)
-    assert controller.overhead_s[1] == pytest.approx(1.5, rel=0.01)
+    assert controller.overhead_s[(1, True)] == pytest.approx(1.5, rel=0.01)
     assert costs.best_gamma(0.6, overhead_s=1.5) == 3
     assert controller.choose([estimate]) == 3
     # Rounds faster than modelled lower it, but never below minus half a target call.
     for _ in range(200):
         controller.observe_round(1, 1, 0.0)
-    assert controller.overhead_s[1] == pytest.approx(-0.5, rel=0.01)
+    assert controller.overhead_s[(1, True)] == pytest.approx(-0.5, rel=0.01)
 
 
 def test_auto_drafts_only_for_a_clear_predicted_gain():
@@ -166,4 +184,49 @@ def test_auto_drafts_only_for_a_clear_predicted_gain():
     assert 1.0 < gain < 1 + GammaController.DRAFT_MARGIN
     assert GammaController(near_tie).choose([estimate()]) == 0
     clear = CostModel(0.05, tuple(1.0 + 0.1 * k for k in range(9)))
-    assert GammaController(clear).choose([estimate()]) == clear.best_gamma(0.7) > 0
+    assert GammaController(clear).choose([AcceptanceEstimate(7.0, 3.0, last_gamma=8)]) == clear.best_gamma(0.7) > 0
+
+
+def test_gamma_ramps_up():
+    """A long draft is a bet on a long run of acceptances: from rounds at gamma 0 (or a new
+    request) gamma grows by at most RAMP_STEP a round, up to the model's best; it falls at once."""
+    costs = CostModel(0.05, tuple(1.0 + 0.02 * k for k in range(9)))
+    controller = GammaController(costs)
+    estimate = AcceptanceEstimate(accepted=95.0, rejected=5.0)
+    assert costs.best_gamma(0.95) == 8
+    assert [controller.choose([estimate]) for _ in range(5)] == [2, 4, 6, 8, 8]
+    estimate.accepted, estimate.rejected = 5.0, 95.0  # the draft turns useless
+    assert controller.choose([estimate]) == costs.best_gamma(0.05) == 0
+
+
+def test_drafting_rounds_learn_their_own_overhead():
+    """Rounds that draft pay the drafter's host work besides the modelled draft steps (on a GPU
+    with graphs ~10x a target-only round's). Learned apart from target-only rounds, that extra
+    cost tips the choice back to gamma 0, where a shared estimate would keep drafting."""
+    costs = CostModel(0.2, tuple(1.0 + 0.4 * k for k in range(9)))
+    estimate = AcceptanceEstimate(accepted=7.0, rejected=3.0)  # alpha 0.7
+    assert costs.best_gamma(0.7) == 1  # 1.7 tokens in 1.6 s beats 1 token in 1 s
+    controller = GammaController(costs)
+    for _ in range(60):
+        controller.observe_round(1, 0, costs.round_seconds(0) + 0.05)  # target-only: 0.05 s extra
+        controller.observe_round(1, 1, costs.round_seconds(1) + 0.4)   # drafting: 0.4 s extra
+    assert controller.round_overheads(1) == pytest.approx((0.05, 0.4), rel=0.01)
+    assert controller.choose([estimate]) == 0
+    pooled = 0.5 * (0.05 + 0.4)  # one shared estimate would have kept drafting
+    assert costs.best_gamma(0.7, overhead_s=pooled) >= 1
+
+
+def test_round_overheads_fall_back_never_make_drafting_cheaper_and_skip_gap_rounds():
+    costs = CostModel(0.2, tuple(1.0 + 0.1 * k for k in range(9)))
+    controller = GammaController(costs)
+    assert controller.round_overheads(1) == (0.0, 0.0)
+    for _ in range(60):
+        controller.observe_round(1, 2, costs.round_seconds(2) + 0.3)
+    assert controller.round_overheads(1) == pytest.approx((0.3, 0.3), rel=0.01)  # one kind seen: shared
+    # The first drafting round after rounds at gamma 0 feeds the drafter what it missed: not learned.
+    controller.observe_round(1, 2, costs.round_seconds(2) + 50.0, after_gap=True)
+    assert controller.round_overheads(1) == pytest.approx((0.3, 0.3), rel=0.01)
+    for _ in range(60):
+        controller.observe_round(1, 0, costs.round_seconds(0) + 0.6)
+    plain, drafting = controller.round_overheads(1)
+    assert plain == pytest.approx(0.6, rel=0.01) and drafting == plain  # not 0.3: never cheaper

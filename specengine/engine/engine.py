@@ -264,6 +264,7 @@ class Engine:
         sampling = SamplingBatch.from_params([r.params for r in active], [r.seed for r in active], device)
 
         self.last_run_rounds = 0
+        previous_gamma = None  # the last round's drafts (None before the first)
         while active:
             round_start = time.perf_counter()
             sequences = [r.tokens for r in active]
@@ -285,7 +286,9 @@ class Engine:
                         self.gamma_controller.observe_finished(r.stats.accepted, r.stats.rejections)
             if self.gamma_controller is not None:
                 self.gamma_controller.observe_round(len(active), gamma,
-                                                    (time.perf_counter() - round_start) / outcomes[0].rounds)
+                                                    (time.perf_counter() - round_start) / outcomes[0].rounds,
+                                                    after_gap=previous_gamma == 0)
+            previous_gamma = gamma
             yield requests
 
             keep = [i for i, r in enumerate(active) if r.finish_reason is None]

@@ -63,9 +63,16 @@ class CostModel:
         alphas = (alphas,) if isinstance(alphas, (int, float)) else alphas
         return sum(expected_tokens(a, gamma) for a in alphas) / self.round_seconds(gamma, overhead_s)
 
-    def best_gamma(self, alphas: float | Sequence[float], overhead_s: float = 0.0) -> int:
-        """The gamma of most tokens per second (the smallest on ties)."""
-        return max(range(self.max_gamma + 1), key=lambda g: (self.tokens_per_second(alphas, g, overhead_s), -g))
+    def best_gamma(self, alphas: float | Sequence[float], overhead_s: float = 0.0,
+                   drafting_overhead_s: float | None = None) -> int:
+        """The gamma of most tokens per second (the smallest on ties). drafting_overhead_s: the
+        overhead of rounds that draft, where it differs from target-only rounds' (default: the same)."""
+        return max(range(self.max_gamma + 1),
+                   key=lambda g: (self.tokens_per_second(alphas, g, self.overhead(g, overhead_s, drafting_overhead_s)), -g))
+
+    @staticmethod
+    def overhead(gamma: int, overhead_s: float, drafting_overhead_s: float | None) -> float:
+        return overhead_s if gamma == 0 or drafting_overhead_s is None else drafting_overhead_s
 
 
 @dataclass
@@ -76,6 +83,7 @@ class AcceptanceEstimate:
     rejected: float = 1.0   # ... and one rejected draft (alpha = 0.5 before any evidence)
     decay: float = 0.9      # per round: the last ~10 rounds dominate
     rounds_without_drafts: int = 0
+    last_gamma: int = 0     # the gamma of this request's last round
 
     @property
     def alpha(self) -> float:
@@ -93,6 +101,8 @@ class GammaController:
 
     PRIOR_WEIGHT = 2.0  # a new request's estimate starts worth two draft tests
 
+    RAMP_STEP = 2  # the most gamma grows from one round to the next
+
     DRAFT_MARGIN = 0.05  # draft only where the model promises 5% more tokens per second
 
     def __init__(self, costs: CostModel | dict[int, CostModel]):
@@ -102,13 +112,17 @@ class GammaController:
         # Acceptance over finished requests (halved per request): where a new request's estimate
         # starts, so it does not spend its first rounds drafting for alpha = 0.5.
         self.finished = AcceptanceEstimate(decay=0.5)
-        # Per cost model: the smoothed time a round took beyond its modelled draft steps and target
-        # call. The fused verify step and the loop's bookkeeping cost the same at any gamma (about
-        # 0.7 ms a round at batch 1 on a 2-core CPU), which favours drafting more per round.
-        # (Learning drafting rounds' overhead apart was tried and measured worse: after rounds at
-        # gamma 0 the drafter's catch-up grows, which raised the drafting estimate, which kept
-        # gamma at 0: at batch 1, T=1 auto fell 7% behind the best fixed gamma.)
-        self.overhead_s: dict[int, float] = {b: 0.0 for b in self.costs_by_batch}
+        # Per (cost model, drafting or not): the smoothed time a round took beyond its modelled
+        # draft steps and target call. The fused verify step and the loop's bookkeeping cost the
+        # same at any gamma (about 0.7 ms a round at batch 1 on a 2-core CPU), which favours
+        # drafting more per round. Rounds that draft also pay the drafter's own host work: on an
+        # H200 with CUDA graphs a drafting round took ~10 ms beyond its replayed steps against
+        # ~1 ms for a target-only round, so one shared estimate kept drafting where target-only
+        # decoding was 2.5x faster. The first drafting round after rounds at gamma 0 also feeds
+        # the drafter what it missed; it is left out (learning from it kept gamma at 0 on the CPU).
+        self.overhead_s: dict[tuple[int, bool], float] = {(b, d): 0.0 for b in self.costs_by_batch
+                                                          for d in (False, True)}
+        self._observed: set[tuple[int, bool]] = set()
 
     def new_estimate(self) -> AcceptanceEstimate:
         alpha = self.finished.alpha
@@ -133,25 +147,44 @@ class GammaController:
 
     OVERHEAD_DECAY = 0.9  # per round: the last ~10 rounds dominate
 
-    def observe_round(self, batch_size: int, gamma: int, seconds: float):
-        """Fold a round's measured wall time into the overhead its cost model does not cover."""
+    def observe_round(self, batch_size: int, gamma: int, seconds: float, after_gap: bool = False):
+        """Fold a round's measured wall time into the overhead its cost model does not cover.
+        after_gap: the round drafted right after rounds at gamma 0 (its catch-up was longer)."""
+        if gamma > 0 and after_gap:
+            return
         key = self._batch_key(batch_size)
         costs = self.costs_by_batch[key]
         # Floored so that a round never looks cheaper than half a target call.
         residual = max(seconds - costs.round_seconds(gamma), -0.5 * costs.verify_s[0])
-        self.overhead_s[key] = self.OVERHEAD_DECAY * self.overhead_s[key] + (1 - self.OVERHEAD_DECAY) * residual
+        slot = (key, gamma > 0)
+        self.overhead_s[slot] = self.OVERHEAD_DECAY * self.overhead_s[slot] + (1 - self.OVERHEAD_DECAY) * residual
+        self._observed.add(slot)
+
+    def round_overheads(self, batch_size: int) -> tuple[float, float]:
+        """(target-only, drafting) overhead per round at this batch size. Until one kind of round
+        has been seen it takes the other's estimate; a drafting round is never taken to cost less
+        beyond its model than a target-only round (the residuals are noisy, and a negative
+        difference would make a useless draft look free)."""
+        key = self._batch_key(batch_size)
+        plain, drafting = (self.overhead_s[(key, d)] if (key, d) in self._observed else None for d in (False, True))
+        plain = plain if plain is not None else (drafting if drafting is not None else 0.0)
+        drafting = drafting if drafting is not None else plain
+        return plain, max(plain, drafting)
 
     def choose(self, estimates: Sequence[AcceptanceEstimate]) -> int:
         """One gamma for a round of these rows (the batch)."""
         costs = self.costs_for(len(estimates))
         alphas = [e.alpha for e in estimates]
-        overhead = self.overhead_s[self._batch_key(len(estimates))]
-        gamma = costs.best_gamma(alphas, overhead)
+        plain, drafting = self.round_overheads(len(estimates))
+        gamma = costs.best_gamma(alphas, plain, drafting)
+        # A long draft bets on a long run of acceptances: gamma grows by at most RAMP_STEP a round,
+        # so a few lucky probes after rounds at gamma 0 do not buy rounds of 8 drafts for the batch.
+        gamma = min(gamma, max(e.last_gamma for e in estimates) + self.RAMP_STEP)
         # Step costs and alpha estimates are noisy (a few % on a 2-core CPU): where the model
         # promises drafting less than DRAFT_MARGIN over target-only decoding (batch 8 on that CPU,
         # where target-only decoding was the fastest in every run), the bet loses as often as it wins.
-        if gamma > 0 and (costs.tokens_per_second(alphas, gamma, overhead)
-                          < (1 + self.DRAFT_MARGIN) * costs.tokens_per_second(alphas, 0, overhead)):
+        if gamma > 0 and (costs.tokens_per_second(alphas, gamma, drafting)
+                          < (1 + self.DRAFT_MARGIN) * costs.tokens_per_second(alphas, 0, plain)):
             gamma = 0
         if gamma == 0:
             for e in estimates:
@@ -160,6 +193,8 @@ class GammaController:
                 for e in estimates:
                     e.rounds_without_drafts = 0
                 gamma = 1
+        for e in estimates:
+            e.last_gamma = gamma
         return gamma
 
 
