@@ -34,7 +34,7 @@ import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
-from specengine.engine.gamma import measure_costs, median_seconds, predicted_speedup
+from specengine.engine.gamma import measure_costs, predicted_speedup
 from specengine.engine.graphs import StepGraphs
 from specengine.shipped import heldout_prompts, shipped_pair
 
@@ -47,20 +47,12 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-@torch.inference_mode()
-def step_ms(model, batch: int, tokens: int, use_graphs: bool, reps: int = 30) -> float:
-    """Median ms of one call on `tokens` tokens per row at 64 cached tokens: the plain forward and
-    logits (eager), or the fixed-shape step (replayed from a graph when use_graphs)."""
-    device = model.device
-    steps = StepGraphs(model, batch, 256, use_graphs=use_graphs)
-    cache = steps.new_batch(batch)
-    cache.lengths.fill_(64)
-    x = torch.zeros(batch, tokens, dtype=torch.int64, device=device)
-    if use_graphs:
-        call = lambda: steps(x, cache.lengths)  # noqa: E731
-    else:
-        call = lambda: model.logits(model(x, cache.lengths.clone(), cache, kv_len=64 + tokens))  # noqa: E731
-    return 1e3 * median_seconds(call, reps, warmup=3)
+def forward_ms(model, batch: int, static: bool) -> float:
+    """Median ms of one token per row through the model and its logits at 64 cached tokens: a plain
+    forward, or the fixed-shape step (replayed from a graph on a GPU, eager on a CPU).
+    engine.gamma's measure_costs times it, as the target's call on one token with no draft."""
+    steps = StepGraphs(model, batch, 256) if static else None
+    return 1e3 * measure_costs(model, None, 0, batch_size=batch, reps=30, target_steps=steps).verify_s[0]
 
 
 def main():
@@ -99,7 +91,7 @@ def main():
 
     # 1. per step
     for B in args.batches:
-        eager, graphs = step_ms(draft, B, 1, False), step_ms(draft, B, 1, on_gpu)
+        eager, graphs = forward_ms(draft, B, static=False), forward_ms(draft, B, static=True)
         result[f"draft_step_batch{B}"] = dict(eager_ms=eager, graph_ms=graphs, ratio=eager / graphs)
         print(f"draft step, batch {B}: eager {eager:.3f} ms, {graph_label} {graphs:.3f} ms, {eager / graphs:.2f}x")
     # The engine's cost model on each path: the target on k tokens, a draft step with its sampling.
