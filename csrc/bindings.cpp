@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 
+#include "decoder.h"
 #include "layers.h"
 #include "cpu_features.h"
 #include "linear.h"
@@ -114,6 +115,29 @@ void rms_norm_py(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t R, int64_
   specengine::rms_norm(ptr<const float>(x), ptr<const float>(weight), ptr<float>(out), R, N, static_cast<float>(eps));
 }
 
+// Raw data pointers of CPU tensors, validated by specengine/ops/decoder_layer.py (never call directly).
+void decoder_layer_py(uintptr_t x, uintptr_t input_norm, uintptr_t qkv, uintptr_t qkv_bias, uintptr_t q_norm,
+                      uintptr_t k_norm, uintptr_t o, uintptr_t o_bias, uintptr_t post_norm, uintptr_t gate_up,
+                      uintptr_t gate_up_bias, uintptr_t down, uintptr_t down_bias, int64_t hidden, int64_t H,
+                      int64_t Hkv, int64_t D, int64_t intermediate, double eps, uintptr_t cos, uintptr_t sin,
+                      uintptr_t positions, uintptr_t cache_k, uintptr_t cache_v, int64_t B, int64_t T,
+                      int64_t capacity, int64_t cache_row_stride, int64_t kv_len, int64_t window) {
+  if (B < 0 || T < 0 || hidden < 1 || H < 1 || Hkv < 1 || H % Hkv != 0 || D < 1 || intermediate < 1 ||
+      capacity < 1 || kv_len < 1 || kv_len > capacity || window < 0 || (q_norm == 0) != (k_norm == 0))
+    throw std::invalid_argument("decoder_layer: inconsistent sizes");
+  const specengine::DecoderLayerWeights weights{
+      ptr<const float>(input_norm), ptr<const uint16_t>(qkv), ptr<const float>(qkv_bias),
+      ptr<const float>(q_norm), ptr<const float>(k_norm), ptr<const uint16_t>(o), ptr<const float>(o_bias),
+      ptr<const float>(post_norm), ptr<const uint16_t>(gate_up), ptr<const float>(gate_up_bias),
+      ptr<const uint16_t>(down), ptr<const float>(down_bias), hidden, H, Hkv, D, intermediate,
+      static_cast<float>(eps)};
+  const specengine::AttentionStep step{ptr<const float>(cos), ptr<const float>(sin),
+                                       ptr<const int64_t>(positions), ptr<float>(cache_k), ptr<float>(cache_v),
+                                       B, T, capacity, cache_row_stride, kv_len, window};
+  py::gil_scoped_release release;
+  specengine::decoder_layer(weights, step, ptr<float>(x));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -139,6 +163,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cache_k"), py::arg("cache_v"), py::arg("out"), py::arg("B"), py::arg("T"), py::arg("H"),
         py::arg("Hkv"), py::arg("D"), py::arg("capacity"), py::arg("cache_row_stride"), py::arg("kv_len"),
         py::arg("window"));
+  m.def("decoder_layer", &decoder_layer_py,
+        "One Llama decoder layer, in place on x [B * T, hidden] float32, bfloat16 matrices (use "
+        "specengine.ops.decoder_layer).",
+        py::arg("x"), py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"),
+        py::arg("k_norm"), py::arg("o"), py::arg("o_bias"), py::arg("post_norm"), py::arg("gate_up"),
+        py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"), py::arg("hidden"), py::arg("H"),
+        py::arg("Hkv"), py::arg("D"), py::arg("intermediate"), py::arg("eps"), py::arg("cos"), py::arg("sin"),
+        py::arg("positions"), py::arg("cache_k"), py::arg("cache_v"), py::arg("B"), py::arg("T"),
+        py::arg("capacity"), py::arg("cache_row_stride"), py::arg("kv_len"), py::arg("window"));
   m.def("rms_norm", &rms_norm_py, "Llama RMSNorm of float32 rows (use specengine.ops.norm).",
         py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("R"), py::arg("N"), py::arg("eps"));
   m.def("set_portable_kernels", [](bool on) { specengine::force_portable() = on; }, py::arg("on"),

@@ -34,18 +34,19 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
-    """checkpoint(case) -> folder of a tiny random checkpoint (cached per session)."""
+    """checkpoint(case, dtype) -> folder of a tiny random checkpoint saved in dtype (cached per
+    session). A bfloat16 checkpoint loads on a CPU with bfloat16-stored matrices."""
     cache = {}
 
-    def make(case: str):
-        if case not in cache:
+    def make(case: str, dtype: torch.dtype = torch.float32):
+        if (case, dtype) not in cache:
             arch, overrides = ARCH_CASES[case]
             overrides = dict(overrides)
             folder = tmp_path_factory.mktemp(case)
             config = make_config(arch, vocab_size=97, **overrides)
-            save_random_checkpoint(folder, config, init_std=0.2, seed=len(cache))
-            cache[case] = folder
-        return cache[case]
+            save_random_checkpoint(folder, config, init_std=0.2, seed=len(cache), dtype=dtype)
+            cache[case, dtype] = folder
+        return cache[case, dtype]
 
     return make
 

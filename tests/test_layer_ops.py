@@ -1,11 +1,17 @@
-"""The C++ decoder-layer ops (specengine.ops.attention, specengine.ops.norm) against their torch references."""
+"""The C++ decoder-layer ops (specengine.ops.attention, specengine.ops.norm, specengine.ops.decoder_layer)
+against their torch references."""
 import pytest
 import torch
 
 from specengine.layers.rotary import rope_cos_sin, rope_inv_freq
+from specengine.models import load_model
 from specengine.models.config import RopeConfig
-from specengine.ops.attention import cached_attention
+from specengine.models.llama import StepInputs
+from specengine.ops.attention import attention_mask, cached_attention
+from specengine.ops.decoder_layer import decoder_layer
 from specengine.ops.norm import rms_norm
+
+from conftest import ARCH_CASES, portable_cpu_kernels
 
 
 def attention_case(B, T, H, Hkv, D, capacity, starts, seed=0):
@@ -135,3 +141,79 @@ def test_rms_norm_errors_name_the_problem():
         rms_norm(torch.ones(2, 7), torch.ones(8), 1e-6, impl="cpp")
     with pytest.raises(ValueError, match="float32 CPU"):
         rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6, impl="cpp")
+
+
+def layer_case(checkpoint, case: str, B: int, T: int, starts: list[int], capacity: int = 24, seed: int = 0):
+    """Layer 1 of the case's bfloat16 checkpoint (bfloat16-stored matrices), a random residual
+    stream x [B, T, hidden] at positions starts[b] + t, and a random cache (stale entries too)."""
+    model = load_model(checkpoint(case, torch.bfloat16))
+    layer = model.model.layers[1]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, model.config.hidden_size, generator=g)
+    positions = torch.tensor(starts)[:, None] + torch.arange(T)
+    cos, sin = rope_cos_sin(model._inv_freq, positions, torch.float32)
+    cache = model.new_cache(B, capacity)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    kv_len = min(max(starts) + T, capacity)
+    return model, layer, x, positions, cos, sin, cache, kv_len
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+@pytest.mark.parametrize("B,T,starts", [(1, 1, [9]), (3, 5, [0, 11, 4]), (2, 9, [6, 1])])
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_decoder_layer_matches_the_torch_ops(case, B, T, starts, portable, checkpoint):
+    """The whole-layer op against the layer's torch path on the same bfloat16-stored weights:
+    the output and both cache writes (rows in use only; the spare row is untouched)."""
+    model, layer, x, positions, cos, sin, cache, kv_len = layer_case(checkpoint, case, B, T, starts)
+    attn = layer.self_attn
+    want_cache = model.new_cache(B, cache.capacity)
+    want_cache.k.copy_(cache.k), want_cache.v.copy_(cache.v)
+    step = StepInputs(positions, cos, sin, kv_len, cpu_kernels=False, whole_layers=False,
+                      mask=attention_mask(positions, kv_len, attn.sliding_window))
+    with torch.no_grad():
+        want = layer(x.clone(), step, want_cache)
+        cache_k, cache_v = cache.layer(1)
+        with portable_cpu_kernels(portable):
+            got = decoder_layer(x.clone(), layer.weights(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                layer.input_layernorm.eps, cos, sin, positions, cache_k, cache_v, kv_len,
+                                attn.sliding_window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.k, want_cache.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v, want_cache.v, atol=1e-5, rtol=1e-5)
+
+
+def test_decoder_layer_updates_x_in_place(checkpoint):
+    """x is the residual stream: the op returns x itself, updated (the model relies on it)."""
+    model, layer, x, positions, cos, sin, cache, kv_len = layer_case(checkpoint, "llama3-rope-gqa", 2, 3, [0, 5])
+    attn = layer.self_attn
+    before = x.clone()
+    out = decoder_layer(x, layer.weights(), attn.num_heads, attn.num_kv_heads, attn.head_dim, 1e-6, cos, sin,
+                        positions, *cache.layer(1), kv_len)
+    assert out is x
+    assert not torch.equal(x, before)
+
+
+def test_decoder_layer_errors_name_the_problem(checkpoint):
+    model, layer, x, positions, cos, sin, cache, kv_len = layer_case(checkpoint, "qwen3-qk-norm-tied", 1, 2, [3])
+    attn = layer.self_attn
+    cache_k, cache_v = cache.layer(1)
+    args = dict(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, eps=1e-6, cos=cos,
+                sin=sin, positions=positions, cache_k=cache_k, cache_v=cache_v, kv_len=kv_len)
+    w = layer.weights()
+    with pytest.raises(ValueError, match="qkv must be a contiguous torch.bfloat16"):
+        decoder_layer(x, w._replace(qkv=w.qkv.float()), **args)
+    with pytest.raises(ValueError, match=r"down must be \["):
+        decoder_layer(x, w._replace(down=w.down[:, 1:].contiguous()), **args)
+    with pytest.raises(ValueError, match="q_norm and k_norm come together"):
+        decoder_layer(x, w._replace(k_norm=None), **args)
+    with pytest.raises(ValueError, match="input_norm is required"):
+        decoder_layer(x, w._replace(input_norm=None), **args)
+    with pytest.raises(ValueError, match="x must be a contiguous float32"):
+        decoder_layer(x.double(), w, **args)
+    with pytest.raises(ValueError, match="kv_len must be in"):
+        decoder_layer(x, w, **{**args, "kv_len": cache.capacity + 1})
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        decoder_layer(x, w, **{**args, "num_kv_heads": 3})
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        decoder_layer(x, w, **{**args, "positions": positions - 9})

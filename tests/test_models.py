@@ -5,19 +5,29 @@ from transformers import AutoModelForCausalLM
 
 from specengine.engine.runner import feed
 from specengine.models import load_model
+from specengine.models.llama import Attention
 
 from conftest import ARCH_CASES
 
 ATOL = 2e-5
-# Our float32 CPU forward runs specengine._C's fused layer ops; the torch ops are the path of every
-# other device and dtype, and the reference of those ops. Both must match transformers.
-LAYER_OPS = pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpp-ops", "torch-ops"])
+# Our float32 CPU forward runs specengine._C's fused layer ops: each whole decoder layer in one
+# call where the matrices are stored in bfloat16 (a bfloat16 checkpoint), else one call per op.
+# The torch ops are the path of every other device and dtype, and the reference of those ops.
+# All must match transformers (which computes the bfloat16 checkpoints upcast to float32).
+LAYER_OPS = pytest.mark.parametrize("layer_ops", ["whole-layer", "cpp-ops", "torch-ops"])
 
 
-def load(folder, cpu_kernels: bool):
-    model = load_model(folder)
-    model.cpu_kernels = cpu_kernels
-    return model
+def load(case: str, layer_ops: str, checkpoint, monkeypatch):
+    """(transformers' model, ours) on the case's checkpoint; bfloat16 for the whole-layer op."""
+    folder = checkpoint(case, torch.bfloat16 if layer_ops == "whole-layer" else torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(folder)
+    ours.cpu_kernels = layer_ops != "torch-ops"
+    if layer_ops == "whole-layer":
+        def per_op_path(*args):
+            raise AssertionError("the whole-layer op was not taken")
+        monkeypatch.setattr(Attention, "forward", per_op_path)
+    return hf, ours
 
 
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
@@ -33,10 +43,8 @@ def sequences():
 
 @LAYER_OPS
 @pytest.mark.parametrize("case", list(ARCH_CASES))
-def test_prefill_matches_transformers_on_ragged_batch(case, cpu_kernels, checkpoint, sequences):
-    folder = checkpoint(case)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ours = load(folder, cpu_kernels)
+def test_prefill_matches_transformers_on_ragged_batch(case, layer_ops, checkpoint, sequences, monkeypatch):
+    hf, ours = load(case, layer_ops, checkpoint, monkeypatch)
     B, T = len(sequences), max(map(len, sequences))
     tokens = torch.zeros(B, T, dtype=torch.int64)
     for b, s in enumerate(sequences):
@@ -50,12 +58,10 @@ def test_prefill_matches_transformers_on_ragged_batch(case, cpu_kernels, checkpo
 
 @LAYER_OPS
 @pytest.mark.parametrize("case", list(ARCH_CASES))
-def test_step_by_step_decoding_with_rollback_matches_transformers(case, cpu_kernels, checkpoint, sequences):
+def test_step_by_step_decoding_with_rollback_matches_transformers(case, layer_ops, checkpoint, sequences, monkeypatch):
     """Rows of different lengths decode one token, then a 3-token chunk, then roll back and
     re-decode other tokens over the stale cache entries: every logit equals a fresh HF forward."""
-    folder = checkpoint(case)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ours = load(folder, cpu_kernels)
+    hf, ours = load(case, layer_ops, checkpoint, monkeypatch)
     prefixes = [s[:-4] for s in sequences]
     cache = ours.new_cache(len(sequences), 32)
     with torch.no_grad():

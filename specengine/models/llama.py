@@ -18,6 +18,7 @@ from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import rope_cos_sin, rope_inv_freq
 from ..ops.attention import attention_mask, cached_attention_cpp, cached_attention_reference
+from ..ops.decoder_layer import DecoderLayerWeights, decoder_layer_cpp
 from .config import ModelConfig
 
 
@@ -30,6 +31,7 @@ class StepInputs:
     sin: torch.Tensor         # [B, T, head_dim]
     kv_len: int               # cache keys a query may see (max position + 1, clipped to capacity)
     cpu_kernels: bool         # take specengine._C's fused float32 CPU ops
+    whole_layers: bool        # ... and each decoder layer as one of them (bfloat16-stored matrices)
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the torch attention (None with cpu_kernels)
 
 
@@ -91,7 +93,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def matrices(self) -> tuple[torch.Tensor, ...]:
+        return (self.self_attn.qkv_proj.weight, self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight,
+                self.mlp.down_proj.weight)
+
+    def weights(self) -> DecoderLayerWeights:
+        attn, mlp = self.self_attn, self.mlp
+        q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        return DecoderLayerWeights(
+            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, q_norm, k_norm,
+            attn.o_proj.weight, attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+            mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+
     def forward(self, x: torch.Tensor, step: StepInputs, cache: StaticKVCache) -> torch.Tensor:
+        if step.whole_layers:
+            attn = self.self_attn
+            cache_k, cache_v = cache.layer(attn.layer_idx)
+            return decoder_layer_cpp(x, self.weights(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                     self.input_layernorm.eps, step.cos, step.sin, step.positions, cache_k, cache_v,
+                                     step.kv_len, attn.sliding_window)
         x = x + self.self_attn(self.input_layernorm(x, step.cpu_kernels), step, cache)
         return x + self.mlp(self.post_attention_layernorm(x, step.cpu_kernels))
 
@@ -119,6 +140,10 @@ class LlamaForCausalLM(nn.Module):
         # no autograd, so a forward with gradients enabled takes the torch ops. Tests switch
         # this off to run the torch reference path on CPU.
         self.cpu_kernels = True
+        # With bfloat16-stored matrices (the loader's choice for a bfloat16 checkpoint on a CPU),
+        # each decoder layer is one C++ call (ops.decoder_layer) instead of about 20 Python and
+        # torch calls. Tests switch this off to compare with the per-op path.
+        self.whole_layer_kernels = True
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every weight a Hugging Face checkpoint of this model holds, by its name there, as the
@@ -174,11 +199,16 @@ class LlamaForCausalLM(nn.Module):
         # Each query sees keys at or before its own position: the row's valid prefix plus the
         # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
         mask = None if cpu_kernels else attention_mask(positions, kv_len, self.config.sliding_window)
-        step = StepInputs(positions, cos, sin, kv_len, cpu_kernels, mask)
+        whole_layers = cpu_kernels and self.whole_layer_kernels and self._bfloat16_matrices()
+        step = StepInputs(positions, cos, sin, kv_len, cpu_kernels, whole_layers, mask)
+        # A fresh tensor (the embedding lookup copies): the whole-layer op updates it in place.
         x = self.model.embed_tokens(tokens).to(self.dtype)
         for layer in self.model.layers:
             x = layer(x, step, cache)
         return self.model.norm(x, cpu_kernels)
+
+    def _bfloat16_matrices(self) -> bool:
+        return all(w.dtype == torch.bfloat16 for layer in self.model.layers for w in layer.matrices)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for hidden states [..., D]."""

@@ -1,0 +1,67 @@
+// A whole decoder layer in one call (see decoder.h), composed of the layer ops of layers.h and
+// linear.h. Measured on the 2-core machine this was written on, the Python and torch calls
+// between those ops cost about 0.45 ms per layer of the shipped target (3.7 of its 9.1 ms step)
+// and 0.8 ms per layer of the draft.
+#include "decoder.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "layers.h"
+#include "linear.h"
+
+namespace specengine {
+namespace {
+
+// out = silu(gate) * up for rows of [gate | up] (each `intermediate` wide).
+void silu_mul(const float* gate_up, float* out, int64_t R, int64_t intermediate) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* gate = gate_up + r * 2 * intermediate;
+    const float* up = gate + intermediate;
+    float* o = out + r * intermediate;
+    for (int64_t i = 0; i < intermediate; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  }
+}
+
+void add_into(float* x, const float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+}  // namespace
+
+void decoder_layer(const DecoderLayerWeights& w, const AttentionStep& step, float* x) {
+  const int64_t R = step.B * step.T;
+  const int64_t q_size = w.H * w.D, kv_size = w.Hkv * w.D, qkv_size = q_size + 2 * kv_size;
+  std::vector<float> normed(static_cast<size_t>(R * w.hidden));
+  std::vector<float> projected(static_cast<size_t>(R * std::max(qkv_size, 2 * w.intermediate)));
+  std::vector<float> mixed(static_cast<size_t>(R * std::max(q_size, w.intermediate)));
+  std::vector<float> back(static_cast<size_t>(R * w.hidden));
+
+  // Attention block. q, k and v stay packed in `projected`: the attention reads them in place.
+  rms_norm(x, w.input_norm, normed.data(), R, w.hidden, w.eps);
+  linear_bf16_weight(normed.data(), w.qkv, w.qkv_bias, projected.data(), R, w.hidden, qkv_size);
+  if (w.q_norm != nullptr) {
+    for (int64_t r = 0; r < R; ++r) {  // per head, in place (rms_norm reads each entry before writing it)
+      float* q = projected.data() + r * qkv_size;
+      rms_norm(q, w.q_norm, q, w.H, w.D, w.eps);
+      rms_norm(q + q_size, w.k_norm, q + q_size, w.Hkv, w.D, w.eps);
+    }
+  }
+  const float* q = projected.data();
+  cached_attention(q, q + q_size, q + q_size + kv_size, qkv_size, qkv_size, qkv_size, step.cos, step.sin,
+                   step.positions, step.cache_k, step.cache_v, mixed.data(), step.B, step.T, w.H, w.Hkv, w.D,
+                   step.capacity, step.cache_row_stride, step.kv_len, step.window);
+  linear_bf16_weight(mixed.data(), w.o, w.o_bias, back.data(), R, q_size, w.hidden);
+  add_into(x, back.data(), R * w.hidden);
+
+  // MLP block.
+  rms_norm(x, w.post_norm, normed.data(), R, w.hidden, w.eps);
+  linear_bf16_weight(normed.data(), w.gate_up, w.gate_up_bias, projected.data(), R, w.hidden, 2 * w.intermediate);
+  silu_mul(projected.data(), mixed.data(), R, w.intermediate);
+  linear_bf16_weight(mixed.data(), w.down, w.down_bias, back.data(), R, w.intermediate, w.hidden);
+  add_into(x, back.data(), R * w.hidden);
+}
+
+}  // namespace specengine

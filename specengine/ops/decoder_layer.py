@@ -1,0 +1,116 @@
+"""A whole Llama decoder layer in one C++ call, for float32 decoding on a CPU with bfloat16-stored
+matrices (how the loader keeps a bfloat16 checkpoint there).
+
+  x += o_proj(attention(rope(qkv_proj(rms_norm(x)))))
+  x += down_proj(silu(gate) * up),  [gate, up] = gate_up_proj(rms_norm(x))
+
+The same arithmetic as the model's per-op CPU path (ops.norm, ops.linear, ops.attention), which
+is this op's oracle (tests/test_models.py checks both against transformers). Why one call: the
+shipped models' layers are so small that the Python and torch calls between those ops cost as
+much as the ops (3.7 ms of the target's 9.1 ms step on a 2-core CPU, 1.6 of the draft's 2.3).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class DecoderLayerWeights(NamedTuple):
+    """One layer's parameters: matrices [out, in] bfloat16, vectors float32, all CPU and contiguous.
+    A bias or q/k norm the architecture lacks is None."""
+
+    input_norm: torch.Tensor           # [hidden]
+    qkv: torch.Tensor                  # [(H + 2 * Hkv) * D, hidden], q, k and v rows packed
+    qkv_bias: torch.Tensor | None      # [(H + 2 * Hkv) * D]
+    q_norm: torch.Tensor | None        # [D], per-head RMSNorm of q before the rotary (Qwen3)
+    k_norm: torch.Tensor | None        # [D]
+    o: torch.Tensor                    # [hidden, H * D]
+    o_bias: torch.Tensor | None        # [hidden]
+    post_norm: torch.Tensor            # [hidden]
+    gate_up: torch.Tensor              # [2 * intermediate, hidden], gate rows then up rows
+    gate_up_bias: torch.Tensor | None  # [2 * intermediate]
+    down: torch.Tensor                 # [hidden, intermediate]
+    down_bias: torch.Tensor | None     # [hidden]
+
+
+def _check(cond: bool, message: str):
+    if not cond:
+        raise ValueError(f"decoder_layer: {message}")
+
+
+def decoder_layer(
+    x: torch.Tensor,          # [B, T, hidden] float32, updated in place
+    weights: DecoderLayerWeights,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    cos: torch.Tensor,        # [B, T, head_dim] rotary tables at the tokens' positions
+    sin: torch.Tensor,        # [B, T, head_dim]
+    positions: torch.Tensor,  # [B, T] int64, absolute position of each token
+    cache_k: torch.Tensor,    # [B_alloc >= B, capacity + 1, Hkv, D] float32, this layer's keys (written)
+    cache_v: torch.Tensor,    # [B_alloc, capacity + 1, Hkv, D] (written)
+    kv_len: int,              # keys that may be visible: max(positions) + 1, clipped to capacity
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Validate, then run the layer in place on x; returns x."""
+    _check(x.dim() == 3 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous(),
+           f"x must be a contiguous float32 CPU tensor [B, T, hidden], got {tuple(x.shape)} {x.dtype} on {x.device}")
+    B, T, hidden = x.shape
+    H, Hkv, D = num_heads, num_kv_heads, head_dim
+    _check(H >= 1 and Hkv >= 1 and H % Hkv == 0, f"num_heads ({H}) must be a multiple of num_kv_heads ({Hkv})")
+    _check(D >= 2 and D % 2 == 0, f"head_dim must be even for the rotary embedding, got {D}")
+    _check(eps > 0, f"eps must be > 0, got {eps}")
+    _check(weights.gate_up.dim() == 2 and weights.gate_up.shape[0] % 2 == 0,
+           f"gate_up must be [2 * intermediate, {hidden}], got {tuple(weights.gate_up.shape)}")
+    inter = weights.gate_up.shape[0] // 2
+    qkv_rows = (H + 2 * Hkv) * D
+    expected = {"input_norm": (hidden,), "post_norm": (hidden,), "qkv": (qkv_rows, hidden), "qkv_bias": (qkv_rows,),
+                "q_norm": (D,), "k_norm": (D,), "o": (hidden, H * D), "o_bias": (hidden,),
+                "gate_up": (2 * inter, hidden), "gate_up_bias": (2 * inter,), "down": (hidden, inter),
+                "down_bias": (hidden,)}
+    for name, shape in expected.items():
+        t = getattr(weights, name)
+        if t is None:
+            _check(name.endswith("bias") or name in ("q_norm", "k_norm"), f"{name} is required")
+            continue
+        dtype = torch.bfloat16 if t.dim() == 2 else torch.float32
+        _check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {tuple(t.shape)}")
+        _check(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous(),
+               f"{name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}")
+    _check((weights.q_norm is None) == (weights.k_norm is None), "q_norm and k_norm come together")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check(t.shape == (B, T, D) and t.dtype == torch.float32 and t.device.type == "cpu",
+               f"{name} must be float32 CPU [{B}, {T}, {D}], got {tuple(t.shape)} {t.dtype} on {t.device}")
+    _check(positions.shape == (B, T) and positions.dtype == torch.int64 and positions.device.type == "cpu",
+           f"positions must be int64 CPU [{B}, {T}], got {tuple(positions.shape)} {positions.dtype}")
+    _check(B == 0 or int(positions.min()) >= 0, "positions must be >= 0")
+    for name, t in (("cache_k", cache_k), ("cache_v", cache_v)):
+        _check(t.dim() == 4 and t.shape[0] >= B and t.shape[2:] == (Hkv, D) and t.dtype == torch.float32
+               and t.device.type == "cpu" and t.is_contiguous(),
+               f"{name} must be a contiguous float32 CPU tensor [>= {B}, capacity + 1, {Hkv}, {D}], got "
+               f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    _check(cache_v.shape == cache_k.shape, f"cache_v must be {tuple(cache_k.shape)}, got {tuple(cache_v.shape)}")
+    capacity = cache_k.shape[1] - 1
+    _check(1 <= kv_len <= capacity, f"kv_len must be in [1, capacity={capacity}], got {kv_len}")
+    _check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
+    return decoder_layer_cpp(x, weights, H, Hkv, D, eps, cos.contiguous(), sin.contiguous(), positions.contiguous(),
+                             cache_k, cache_v, kv_len, sliding_window)
+
+
+def decoder_layer_cpp(x, weights: DecoderLayerWeights, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                      cos, sin, positions, cache_k, cache_v, kv_len: int, sliding_window: int | None) -> torch.Tensor:
+    """The C++ op without argument checks, for the model's layers (whose weights the loader
+    checked): the same contract as decoder_layer."""
+    from .. import _C
+
+    def address(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    B, T, hidden = x.shape
+    _C.decoder_layer(x.data_ptr(), *map(address, weights), hidden, num_heads, num_kv_heads, head_dim,
+                     weights.gate_up.shape[0] // 2, eps, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                     cache_k.data_ptr(), cache_v.data_ptr(), B, T, cache_k.shape[1] - 1, cache_k.stride(0), kv_len,
+                     sliding_window or 0)
+    return x
