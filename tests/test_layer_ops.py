@@ -169,7 +169,7 @@ def test_decoder_layer_matches_the_torch_ops(case, B, T, starts, portable, check
     attn = layer.self_attn
     want_cache = model.new_cache(B, cache.capacity)
     want_cache.k.copy_(cache.k), want_cache.v.copy_(cache.v)
-    step = StepInputs(positions, cos, sin, kv_len, cpu_kernels=False, whole_layers=False,
+    step = StepInputs(positions, cos, sin, kv_len, cpu_kernels=False,
                       mask=attention_mask(positions, kv_len, attn.sliding_window))
     with torch.no_grad():
         want = layer(x.clone(), step, want_cache)

@@ -105,3 +105,35 @@ def test_sharded_checkpoint_loads_identically(checkpoint, tmp_path, sequences):
     a, b = load_model(folder), load_model(tmp_path)
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), name
+
+
+def test_whole_layer_weights_follow_replaced_and_cast_parameters(checkpoint):
+    """The model keeps its layers' weights between calls for the whole-layer op: a replaced
+    parameter, an in-place change and a cast (also with parameters overwritten on conversion)
+    must all be seen by the next forward."""
+    folder = checkpoint("llama-tied-bias", torch.bfloat16)
+    model, fresh = load_model(folder), load_model(folder)
+    tokens = torch.tensor([[5, 17, 3, 44]])
+
+    def logits(m):
+        with torch.no_grad():
+            return m.logits(m(tokens, torch.zeros(1, dtype=torch.int64), m.new_cache(1, 8)))
+
+    assert model.whole_layer_weights() is not None
+    torch.testing.assert_close(logits(model), logits(fresh), atol=0, rtol=0)
+    down = model.model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight * 2)
+    fresh.model.layers[1].mlp.down_proj.weight.data.mul_(2)
+    torch.testing.assert_close(logits(model), logits(fresh), atol=0, rtol=0)
+    model.model.layers[0].self_attn.o_proj.bias.data.add_(1.0)
+    assert not torch.equal(logits(model), logits(fresh))
+    fresh.model.layers[0].self_attn.o_proj.bias.data.add_(1.0)
+    torch.testing.assert_close(logits(model), logits(fresh), atol=0, rtol=0)
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    try:
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        model.to(torch.float32)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    assert model.whole_layer_weights() is None  # float32 matrices: the per-op path
+    torch.testing.assert_close(logits(model), logits(fresh), atol=2e-5, rtol=0)

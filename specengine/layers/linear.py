@@ -3,9 +3,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.linear import linear_bf16_weight_cpp
+from .tracked import TracksParameterAssignments
 
 
-class Linear(nn.Linear):
+class Linear(TracksParameterAssignments, nn.Linear):
     """nn.Linear with two CPU fast paths for the few-row products of decoding.
 
     - bfloat16 weights with float32 inputs (how the loader keeps a bfloat16 checkpoint on a

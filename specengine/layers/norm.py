@@ -2,9 +2,10 @@ import torch
 from torch import nn
 
 from ..ops.norm import rms_norm_cpp, rms_norm_reference
+from .tracked import TracksParameterAssignments
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(TracksParameterAssignments):
     """Llama RMSNorm (see ops.norm). cpu_kernels: the caller allows the C++ op, which is taken for
     float32 on a CPU (the model decides once per forward, see LlamaForCausalLM.cpu_kernels)."""
 

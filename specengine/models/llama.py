@@ -17,6 +17,7 @@ from ..layers.kv_cache import StaticKVCache
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import rope_cos_sin, rope_inv_freq
+from ..layers.tracked import TracksParameterAssignments
 from ..ops.attention import attention_mask, cached_attention_cpp, cached_attention_reference
 from ..ops.decoder_layer import DecoderLayerWeights, decoder_layer_cpp
 from .config import ModelConfig
@@ -31,7 +32,6 @@ class StepInputs:
     sin: torch.Tensor         # [B, T, head_dim]
     kv_len: int               # cache keys a query may see (max position + 1, clipped to capacity)
     cpu_kernels: bool         # take specengine._C's fused float32 CPU ops
-    whole_layers: bool        # ... and each decoder layer as one of them (bfloat16-stored matrices)
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the torch attention (None with cpu_kernels)
 
 
@@ -93,11 +93,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    @property
-    def matrices(self) -> tuple[torch.Tensor, ...]:
-        return (self.self_attn.qkv_proj.weight, self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight,
-                self.mlp.down_proj.weight)
-
     def weights(self) -> DecoderLayerWeights:
         attn, mlp = self.self_attn, self.mlp
         q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
@@ -107,12 +102,6 @@ class DecoderLayer(nn.Module):
             mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
 
     def forward(self, x: torch.Tensor, step: StepInputs, cache: StaticKVCache) -> torch.Tensor:
-        if step.whole_layers:
-            attn = self.self_attn
-            cache_k, cache_v = cache.layer(attn.layer_idx)
-            return decoder_layer_cpp(x, self.weights(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                     self.input_layernorm.eps, step.cos, step.sin, step.positions, cache_k, cache_v,
-                                     step.kv_len, attn.sliding_window)
         x = x + self.self_attn(self.input_layernorm(x, step.cpu_kernels), step, cache)
         return x + self.mlp(self.post_attention_layernorm(x, step.cpu_kernels))
 
@@ -144,6 +133,8 @@ class LlamaForCausalLM(nn.Module):
         # each decoder layer is one C++ call (ops.decoder_layer) instead of about 20 Python and
         # torch calls. Tests switch this off to compare with the per-op path.
         self.whole_layer_kernels = True
+        self._layer_weights: list[DecoderLayerWeights] | None = None  # see whole_layer_weights
+        self._layer_weights_assignments = -1
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every weight a Hugging Face checkpoint of this model holds, by its name there, as the
@@ -199,16 +190,39 @@ class LlamaForCausalLM(nn.Module):
         # Each query sees keys at or before its own position: the row's valid prefix plus the
         # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
         mask = None if cpu_kernels else attention_mask(positions, kv_len, self.config.sliding_window)
-        whole_layers = cpu_kernels and self.whole_layer_kernels and self._bfloat16_matrices()
-        step = StepInputs(positions, cos, sin, kv_len, cpu_kernels, whole_layers, mask)
         # A fresh tensor (the embedding lookup copies): the whole-layer op updates it in place.
         x = self.model.embed_tokens(tokens).to(self.dtype)
-        for layer in self.model.layers:
-            x = layer(x, step, cache)
+        layer_weights = self.whole_layer_weights() if cpu_kernels and self.whole_layer_kernels else None
+        if layer_weights is not None:
+            c = self.config
+            for i, weights in enumerate(layer_weights):
+                decoder_layer_cpp(x, weights, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, cos, sin,
+                                  positions, *cache.layer(i), kv_len, c.sliding_window)
+        else:
+            step = StepInputs(positions, cos, sin, kv_len, cpu_kernels, mask)
+            for layer in self.model.layers:
+                x = layer(x, step, cache)
         return self.model.norm(x, cpu_kernels)
 
-    def _bfloat16_matrices(self) -> bool:
-        return all(w.dtype == torch.bfloat16 for layer in self.model.layers for w in layer.matrices)
+    def whole_layer_weights(self) -> list[DecoderLayerWeights] | None:
+        """Each decoder layer's weights for ops.decoder_layer, or None unless every matrix is stored
+        in bfloat16. Kept between calls: replacing a layer's parameter, or moving or casting the
+        model with parameters swapped for new objects, rebuilds them."""
+        if self._layer_weights_assignments != TracksParameterAssignments.assignments:
+            self._layer_weights = [layer.weights() for layer in self.model.layers]
+            self._layer_weights_assignments = TracksParameterAssignments.assignments
+        bf16 = torch.bfloat16
+        if all(w.qkv.dtype == bf16 and w.o.dtype == bf16 and w.gate_up.dtype == bf16 and w.down.dtype == bf16
+               for w in self._layer_weights):
+            return self._layer_weights
+        return None
+
+    def _apply(self, fn, recurse=True):
+        # .to() and friends may put new Parameter objects in the layers' dicts directly (see
+        # torch.__future__.set_overwrite_module_params_on_conversion), which no count sees.
+        result = super()._apply(fn, recurse)
+        self._layer_weights_assignments = -1
+        return result
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for hidden states [..., D]."""
