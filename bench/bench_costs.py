@@ -18,30 +18,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import platform
-from pathlib import Path
 
 import torch
 
 from specengine import Engine, SamplingParams
+from specengine.benchmark import machine_name
 from specengine.engine.gamma import CostModel, measure_costs, predicted_speedup
 from specengine.models.widen import widen
 from specengine.shipped import heldout_prompts, shipped_pair
 
-
-def machine_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
-
-
-def write_json(result: dict, out: str | None, default_name: str):
-    """Write a benchmark's results to `out`, or to bench/results/<default_name>."""
-    path = Path(out) if out else Path(__file__).resolve().parent / "results" / default_name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+from common import write_json
 
 
 def phases_per_round(engine: Engine, prompt_batches, temperature: float) -> dict:

@@ -12,7 +12,7 @@ so the same alpha against the shipped draft) whose step reads 2 GB of weights: m
    (engine.gamma.measure_costs: the target on k = 1..9 tokens, a draft step with its sampling),
    so c and the verification costs are measured on the path each engine takes.
 2. End to end, each batch size and temperature, held-out prompts: the eager PyTorch target-only
-   loop (bench_e2e.eager_decode), specengine target-only with graphs, specengine eager and with
+   loop (specengine.benchmark.eager_decode), specengine target-only with graphs, specengine eager and with
    cuda_graphs for each gamma (also reading back every --check-every rounds: "blocks"), and
    gamma="auto" with graphs; tokens/s, ratios to the eager loop,
    alpha; greedy outputs checked equal to the loop's. Interleaved repeats, medians.
@@ -33,18 +33,14 @@ import time
 import torch
 
 from specengine import Engine, SamplingParams
+from specengine.benchmark import eager_decode, machine_name
 from specengine.drafters.model import ModelDrafter
 from specengine.engine.gamma import measure_costs, predicted_speedup
 from specengine.engine.graphs import StepGraphs
 from specengine.shipped import heldout_prompts, shipped_pair
 
-from bench_costs import machine_name, widened_target, write_json
-from bench_e2e import eager_decode
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+from bench_costs import widened_target
+from common import sync, write_json
 
 
 def forward_ms(model, batch: int, static: bool) -> float:

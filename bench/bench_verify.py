@@ -12,24 +12,21 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from specengine.benchmark import machine_name
 from specengine.ops.verify import verify
 from specengine.sampling.warp import sample_from_probs, warp_probs
+
+from common import RESULTS, sync
 
 FULL_GRID = [(B, G, V) for B in (1, 8, 64) for G in (1, 4, 8) for V in (32000, 128256, 151936)]
 QUICK_GRID = [(1, 4, 32000), (8, 5, 32000), (8, 1, 32000), (8, 8, 32000), (64, 4, 32000), (8, 4, 128256),
               (8, 4, 151936)]
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timeit(fn, device, min_reps=3, budget_s=1.0) -> float:
@@ -77,12 +74,12 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     impls = ["reference", "triton"] if device.type == "cuda" else ["reference", "cpp"]
-    machine = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    machine = machine_name(device)
     date = datetime.date.today().isoformat()
     bandwidth = copy_bandwidth(device)
     print(f"# {machine}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; torch {torch.__version__}")
     grid = [(B, G, V, 1.0) for B, G, V in (QUICK_GRID if args.quick else FULL_GRID)] + [(8, 5, 32000, 0.9)]
-    out = Path(args.out or Path(__file__).parent / "results" / f"verify-{device.type}-{date}.csv")
+    out = Path(args.out or RESULTS / f"verify-{device.type}-{date}.csv")
     out.parent.mkdir(parents=True, exist_ok=True)
     budget_s = 0.5 if device.type == "cuda" else 1.0  # GPU medians settle within a few hundred calls
     rows = []

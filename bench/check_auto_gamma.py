@@ -12,17 +12,18 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from specengine import Engine, SamplingParams
+from specengine.benchmark import machine_name
 from specengine.drafters.model import ModelDrafter
 from specengine.engine.gamma import measure_costs
 from specengine.shipped import heldout_prompts, shipped_pair
+
+from common import RESULTS
 
 
 def main():
@@ -60,8 +61,8 @@ def main():
                     tokens += sum(len(r.token_ids) for r in engine.generate(batch, params))
                 rates.setdefault((T, g), []).append(tokens / (time.perf_counter() - t0))
     date = datetime.date.today().isoformat()
-    machine = f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
-    out = Path(__file__).resolve().parent / "results" / f"auto-gamma-batch{args.batch}-{date}.csv"
+    machine = machine_name()
+    out = RESULTS / f"auto-gamma-batch{args.batch}-{date}.csv"
     with out.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["machine", "date", "torch", "batch", "temperature", "gamma", "tokens_per_s",

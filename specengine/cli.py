@@ -1,4 +1,8 @@
-"""Command line: `specengine generate ...` streams text to stdout and one statistics line to stderr."""
+"""Command line.
+
+  specengine generate ...  streams text to stdout and one statistics line to stderr
+  specengine bench ...     end-to-end speed against Hugging Face and eager PyTorch (see benchmark.py)
+"""
 from __future__ import annotations
 
 import argparse
@@ -52,11 +56,52 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --cuda-graphs: run up to N rounds from device state between reads "
                           "(output streams N rounds at a time)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+
+    bench = sub.add_parser("bench", help="end-to-end speed against Hugging Face generate (alone and assisted) "
+                                         "and an eager PyTorch loop, with the paper's analysis")
+    bench.add_argument("--target", help="local Hugging Face folder of the target (default: the shipped pair)")
+    bench.add_argument("--draft", help="local Hugging Face folder of the draft (with --target)")
+    bench.add_argument("--quick", action="store_true",
+                       help="8 prompts, 48 new tokens, 2 repeats, gammas 1 2 4 6 8 (unless given)")
+    bench.add_argument("--prompts", type=int, help="held-out prompts (default 32)")
+    bench.add_argument("--new-tokens", type=int, help="tokens generated per prompt (default 128)")
+    bench.add_argument("--repeats", type=int, help="interleaved repeats, the median is reported (default 3)")
+    bench.add_argument("--gammas", type=int, nargs="+", help="fixed gammas (default 1..8)")
+    bench.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
+    bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                       help="temperatures (default 0 1; 0 is greedy)")
+    bench.add_argument("--out-dir", default=".", help="where e2e-<date>.csv and .png go (default: here)")
+    bench.add_argument("--no-plot", action="store_true", help="no PNG")
     return parser
+
+
+def bench(args) -> int:
+    from .benchmark import BenchOptions, run_benchmark
+
+    if (args.target is None) != (args.draft is None):
+        raise ValueError("bench needs both --target and --draft, or neither (the shipped pair)")
+    pair = (args.target, args.draft) if args.target else shipped_pair()
+    if pair is None:
+        raise ValueError("no --target/--draft given and no shipped model pair is installed")
+    quick = dict(prompts=8, new_tokens=48, repeats=2, gammas=(1, 2, 4, 6, 8)) if args.quick else {}
+    given = {name: getattr(args, name) for name in ("prompts", "new_tokens", "repeats", "gammas")
+             if getattr(args, name) is not None}
+    options = {**quick, **given}
+    if "gammas" in options:
+        options["gammas"] = tuple(options["gammas"])
+    run_benchmark(BenchOptions(*pair, out_dir=args.out_dir, batches=tuple(args.batches),
+                               temperatures=tuple(args.temperatures), plot=not args.no_plot, **options))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        try:
+            return bench(args)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"specengine: error: {e}", file=sys.stderr)
+            return 2
     from .engine import Engine  # after argument parsing, so --help stays fast
 
     try:

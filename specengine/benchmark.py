@@ -1,0 +1,323 @@
+"""`specengine bench`: end-to-end decoding speed of specengine against Hugging Face and eager PyTorch.
+
+Every configuration runs in one process after a warm-up; the repeats are interleaved
+(configuration after configuration, repeat after repeat) and the median is reported:
+  - transformers `generate` on the target alone, and with `assistant_model=` the draft
+    (assisted generation cannot batch: batch 1 only, said so in the table);
+  - an eager PyTorch loop over our model and its KV cache (the design's baseline);
+  - specengine target-only, with the draft model at each fixed gamma and gamma="auto", and with
+    the n-gram (prompt lookup) drafter.
+Prompts are cut from the shipped pair's held-out files (with the pair's tokenizer). Per
+configuration: tokens/s, ratios to HF and HF assisted, alpha, tokens per target call, c, the
+speedup over specengine target-only (the paper's baseline) next to Theorem 3.8's prediction,
+the extra arithmetic (the paper's Table 1 "ops"), where a round's time goes, and whether greedy
+outputs equal HF's greedy outputs. Writes e2e-<date>.csv and, with matplotlib, e2e-<date>.png:
+measured and predicted speedup against gamma (the paper's Figure 3) and the accepted-length
+histogram.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .drafters.model import ModelDrafter
+from .drafters.ngram import NgramDrafter
+from .engine import Engine
+from .engine.gamma import expected_ops_ratio, measure_costs, predicted_speedup
+from .sampling.params import SamplingParams
+from .shipped import heldout_prompts
+
+NGRAM_GAMMA = 4  # the n-gram drafter's gamma, and the gamma of the paper's Table 3 view
+
+
+@dataclass
+class BenchOptions:
+    target: Path
+    draft: Path
+    out_dir: Path
+    prompts: int = 32
+    new_tokens: int = 128
+    repeats: int = 3
+    gammas: tuple[int, ...] = tuple(range(1, 9))
+    batches: tuple[int, ...] = (1, 8)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    plot: bool = True
+
+    def __post_init__(self):
+        self.target, self.draft, self.out_dir = Path(self.target), Path(self.draft), Path(self.out_dir)
+        for name in ("prompts", "new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
+        if not self.gammas or min(self.gammas) < 1:
+            raise ValueError(f"bench: gammas must be integers >= 1, got {list(self.gammas)}")
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"bench: batch sizes must be >= 1, got {list(self.batches)}")
+        if not self.temperatures or min(self.temperatures) < 0:
+            raise ValueError(f"bench: temperatures must be >= 0, got {list(self.temperatures)}")
+        for name in ("target", "draft"):
+            if not getattr(self, name).is_dir():
+                raise FileNotFoundError(f"bench: {name} folder {getattr(self, name)} does not exist")
+
+
+@dataclass
+class Config:
+    name: str
+    kind: str                 # hf, hf_assisted, eager, spec
+    batch: int
+    temperature: float
+    gamma: int | str = 0      # spec only: 0 = target-only
+    drafter: str | None = None
+    runs: list[dict] = field(default_factory=list)
+
+
+def machine_name(device: torch.device | str = "cpu") -> str:
+    """The GPU's name, or the CPU's architecture and the threads torch uses on it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+@torch.inference_mode()
+def eager_decode(model, prompt_batch: list[list[int]], new_tokens: int, temperature: float, seed: int) -> list[list[int]]:
+    """The plain baseline: prefill, then one target step per token on our model and its KV cache."""
+    g = torch.Generator(model.device).manual_seed(seed)
+    B = len(prompt_batch)
+    cache = model.new_cache(B, len(prompt_batch[0]) + new_tokens)
+    tokens = torch.tensor(prompt_batch, device=model.device)
+    hidden = model(tokens, cache.lengths.clone(), cache)[:, -1]
+    cache.lengths.add_(tokens.shape[1])
+    out = []
+    for i in range(new_tokens):
+        logits = model.logits(hidden)
+        nxt = (logits.argmax(-1) if temperature == 0
+               else torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)[:, 0])
+        out.append(nxt)
+        # kv_len known on the host: no device read per token (on CUDA that would be a sync)
+        hidden = model(nxt[:, None], cache.lengths.clone(), cache, kv_len=tokens.shape[1] + i + 1)[:, 0]
+        cache.lengths.add_(1)
+    return torch.stack(out, 1).tolist()
+
+
+@torch.inference_mode()
+def hf_decode(hf, prompt_batch, new_tokens, temperature, assistant=None) -> list[list[int]]:
+    ids = torch.tensor(prompt_batch)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    if temperature == 0:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    if assistant is not None:
+        kwargs.update(assistant_model=assistant)
+    out = hf.generate(ids, **kwargs)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def run_benchmark(options: BenchOptions) -> Path:
+    """Run every configuration, print the tables, write the CSV (and the plot); returns the CSV's path."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine.from_pretrained(options.target)
+    target, tokenizer = engine.target, engine.tokenizer
+    draft = Engine.from_pretrained(options.draft).target
+    V = target.config.vocab_size
+    hf = AutoModelForCausalLM.from_pretrained(options.target, dtype=torch.float32).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(options.draft, dtype=torch.float32).eval()
+    prompts = heldout_prompts(tokenizer, options.prompts, length=64, start_fraction=1 / 3)
+    gammas = list(options.gammas)
+
+    configs: list[Config] = []
+    for T in options.temperatures:
+        for B in options.batches:
+            configs.append(Config(f"hf T={T:g} B={B}", "hf", B, T))
+            if B == 1:
+                configs.append(Config(f"hf-assisted T={T:g} B={B}", "hf_assisted", B, T))
+            configs.append(Config(f"eager T={T:g} B={B}", "eager", B, T))
+            configs.append(Config(f"spec target-only T={T:g} B={B}", "spec", B, T))
+            for g in gammas + ["auto"]:
+                configs.append(Config(f"spec draft gamma={g} T={T:g} B={B}", "spec", B, T, g, "model"))
+            configs.append(Config(f"spec ngram gamma={NGRAM_GAMMA} T={T:g} B={B}", "spec", B, T, NGRAM_GAMMA, "ngram"))
+
+    engines = {}
+
+    def spec_engine(cfg: Config) -> Engine:
+        key = (cfg.drafter, cfg.gamma)
+        if key not in engines:
+            drafter = {"model": ModelDrafter(draft, V, len(tokenizer)), "ngram": NgramDrafter(), None: None}[cfg.drafter]
+            engines[key] = Engine(target, tokenizer, drafter, gamma=cfg.gamma or 1, time_phases=True)
+        return engines[key]
+
+    def run(cfg: Config, rep: int, limit: int | None = None) -> dict:
+        chosen = prompts[: limit or len(prompts)]
+        batches = [chosen[i: i + cfg.batch] for i in range(0, len(chosen), cfg.batch)]
+        outputs, stats, phases, batch_rounds = [], [], {}, 0
+        t0 = time.perf_counter()
+        for i, batch in enumerate(batches):
+            if cfg.kind == "hf":
+                outputs += hf_decode(hf, batch, options.new_tokens, cfg.temperature)
+            elif cfg.kind == "hf_assisted":
+                outputs += hf_decode(hf, batch, options.new_tokens, cfg.temperature, assistant=hf_draft)
+            elif cfg.kind == "eager":
+                outputs += eager_decode(target, batch, options.new_tokens, cfg.temperature, seed=rep * 1000 + i)
+            else:
+                params = [SamplingParams(max_new_tokens=options.new_tokens, temperature=cfg.temperature,
+                                         ignore_eos=True, seed=rep * 1000 + i * 10 + j) for j in range(len(batch))]
+                e = spec_engine(cfg)
+                outputs += [r.token_ids for r in e.generate(batch, params)]
+                stats.append(e.last_run_stats)
+                batch_rounds += e.last_run_rounds
+                for name, sec in e.last_run_phases.items():
+                    phases[name] = phases.get(name, 0.0) + sec
+        seconds = time.perf_counter() - t0
+        run_stats = dict(seconds=seconds, tokens=sum(len(o) for o in outputs), outputs=outputs)
+        if stats:
+            accepted = sum(s.accepted for s in stats)
+            tested = accepted + sum(s.rejections for s in stats)
+            run_stats.update(alpha=accepted / tested if tested else None,
+                             tokens_per_call=sum(s.generated_tokens for s in stats) / sum(s.rounds for s in stats),
+                             histogram=[sum(h) for h in zip(*(s.accepted_histogram for s in stats))],
+                             batch_rounds=batch_rounds, phases=phases)
+        return run_stats
+
+    # Warm-up (every configuration once, on one batch), then interleaved repeats.
+    for cfg in tqdm(configs, desc="warm-up"):
+        run(cfg, rep=99, limit=cfg.batch)
+    # Step costs at each benchmarked batch size: c for Theorem 3.8, and the cost of verifying k tokens.
+    costs = {B: measure_costs(target, draft, max(gammas), batch_size=B) for B in options.batches}
+    with tqdm(total=options.repeats * len(configs), desc="benchmark") as bar:
+        for rep in range(options.repeats):
+            for cfg in configs:
+                cfg.runs.append(run(cfg, rep))
+                bar.update()
+
+    rows = []
+    date = datetime.date.today().isoformat()
+    machine = machine_name()
+
+    def rate(cfg):
+        return statistics.median(r["tokens"] / r["seconds"] for r in cfg.runs)
+
+    by_name = {cfg.name: cfg for cfg in configs}
+    draft_params = sum(p.numel() for p in draft.parameters())
+    target_params = sum(p.numel() for p in target.parameters())
+    for cfg in configs:
+        T, B = cfg.temperature, cfg.batch
+        hf_rate = rate(by_name[f"hf T={T:g} B={B}"])
+        assisted = by_name.get(f"hf-assisted T={T:g} B={B}")
+        base = rate(by_name[f"spec target-only T={T:g} B={B}"])
+        alpha = statistics.median(r["alpha"] for r in cfg.runs) if cfg.runs[0].get("alpha") is not None else None
+        g = cfg.gamma if isinstance(cfg.gamma, int) else None
+        c = costs[B].draft_step_s / costs[B].verify_s[0]
+        modelled = cfg.drafter == "model" and g and alpha is not None
+        # Where a round's time goes (median run): phases per round, in ms and as shares of the run.
+        profile = {}
+        if cfg.kind == "spec":
+            run_ = sorted(cfg.runs, key=lambda r: r["seconds"])[len(cfg.runs) // 2]
+            ph = run_["phases"]
+            profile = dict(round_ms=round(1e3 * (ph["total"] - ph["prefill"]) / run_["batch_rounds"], 2),
+                           **{f"{k}_ms_per_round": round(1e3 * ph[k] / run_["batch_rounds"], 2)
+                              for k in ("draft", "verify", "accept", "host")},
+                           prefill_share=round(ph["prefill"] / ph["total"], 3))
+        row = dict(machine=machine, date=date, torch=torch.__version__, config=cfg.name, kind=cfg.kind, batch=B,
+                   temperature=T, gamma=cfg.gamma, drafter=cfg.drafter or "", tokens_per_s=round(rate(cfg), 2),
+                   vs_hf=round(rate(cfg) / hf_rate, 3),
+                   vs_hf_assisted=round(rate(cfg) / rate(assisted), 3) if assisted else "n/a (HF assisted: batch 1 only)",
+                   alpha=round(alpha, 4) if alpha is not None else "",
+                   tokens_per_target_call=round(statistics.median(r["tokens_per_call"] for r in cfg.runs), 3)
+                   if "tokens_per_call" in cfg.runs[0] else "",
+                   c=round(c, 4) if cfg.drafter == "model" else "",
+                   measured_speedup=round(rate(cfg) / base, 3) if cfg.kind == "spec" else "",
+                   predicted_speedup=round(predicted_speedup(alpha, g, c), 3) if modelled else "",
+                   # Theorem 3.8 with the measured cost of verifying g + 1 tokens in place of one step.
+                   predicted_with_verify_cost=round(costs[B].tokens_per_second(alpha, g) * costs[B].verify_s[0], 3)
+                   if modelled else "",
+                   ops_ratio=round(expected_ops_ratio(alpha, g, draft_params / target_params), 3) if modelled else "",
+                   **profile)
+        rows.append(row)
+    # Greedy outputs of every specengine configuration must equal Hugging Face's greedy outputs.
+    if 0.0 in options.temperatures:
+        for B in options.batches:
+            reference = by_name[f"hf T=0 B={B}"].runs[0]["outputs"]
+            for cfg in configs:
+                if cfg.kind in ("spec", "eager") and cfg.temperature == 0 and cfg.batch == B:
+                    same = all(r["outputs"] == reference for r in cfg.runs)
+                    next(row for row in rows if row["config"] == cfg.name)["greedy_equals_hf"] = same
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    out = options.out_dir / f"e2e-{date}.csv"
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    report(rows, costs, gammas)
+    if options.plot:
+        plot(rows, configs, gammas, options.out_dir / f"e2e-{date}.png")
+    print(f"wrote {out}")
+    return out
+
+
+def report(rows: list[dict], costs: dict, gammas: list[int]):
+    for row in rows:
+        print(f"{row['config']:38s} {row['tokens_per_s']:8.1f} tok/s  vs HF {row['vs_hf']:6.2f}x  "
+              f"alpha {row['alpha']!s:6s} speedup {row['measured_speedup']!s:6s} predicted {row['predicted_speedup']!s:6s}"
+              f" greedy==HF {row.get('greedy_equals_hf', '')}")
+    print(f"\nMeasured step costs (ms): target on k = 1..{max(gammas) + 1} tokens, one draft step")
+    for B, cm in costs.items():
+        print(f"  batch {B}: target {[round(1e3 * t, 2) for t in cm.verify_s]}, draft {1e3 * cm.draft_step_s:.2f}, "
+              f"c = {cm.draft_step_s / cm.verify_s[0]:.3f}")
+    print("\nWhere a round's time goes (ms per round: draft / verify forward / accept kernel / host)")
+    for row in rows:
+        if "round_ms" in row and row["drafter"] != "ngram":
+            print(f"  {row['config']:38s} {row['round_ms']:7.2f} = {row['draft_ms_per_round']:6.2f} + "
+                  f"{row['verify_ms_per_round']:6.2f} + {row['accept_ms_per_round']:5.2f} + {row['host_ms_per_round']:5.2f}")
+    # The draft model at gamma 4 when it ran (else its largest gamma), the n-gram drafter at NGRAM_GAMMA.
+    model_gamma = NGRAM_GAMMA if NGRAM_GAMMA in gammas else max(gammas)
+    print("\nPaper Table 3 view: alpha per (drafter, temperature) at the smallest batch")
+    for drafter, g, label in (("model", model_gamma, "draft model"), ("ngram", NGRAM_GAMMA, "n-gram (prompt lookup)")):
+        for row in rows:
+            if row["drafter"] == drafter and row["gamma"] == g and row["batch"] == rows[0]["batch"]:
+                print(f"  {label:24s} gamma {g} T={row['temperature']:g}: alpha {row['alpha']}")
+
+
+def plot(rows, configs, gammas, path):
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'specengine[bench]')")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batch = rows[0]["batch"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for T in sorted({r["temperature"] for r in rows}):
+        pts = [(r["gamma"], r["measured_speedup"], r["predicted_speedup"]) for r in rows
+               if r["drafter"] == "model" and isinstance(r["gamma"], int) and r["batch"] == batch
+               and r["temperature"] == T]
+        if pts:
+            g, m, p = zip(*pts)
+            axes[0].plot(g, m, "o-", label=f"measured T={T:g}")
+            axes[0].plot(g, p, "x--", label=f"Theorem 3.8 T={T:g}")
+    axes[0].axhline(1.0, color="grey", lw=0.5)
+    axes[0].set(xlabel="gamma", ylabel=f"speedup over target-only (batch {batch})", title="speedup vs gamma")
+    axes[0].legend()
+    for cfg in configs:
+        if cfg.drafter == "model" and cfg.gamma == max(gammas) and cfg.batch == batch:
+            hist = [sum(h) for h in zip(*(r["histogram"] for r in cfg.runs))]
+            axes[1].bar([i + (0.2 if cfg.temperature else -0.2) for i in range(len(hist))], hist, width=0.4,
+                        label=f"T={cfg.temperature:g}")
+    axes[1].set(xlabel=f"drafts accepted per round (gamma={max(gammas)})", ylabel="rounds",
+                title="accepted-length histogram")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
