@@ -13,6 +13,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace specengine {
 namespace {
 
@@ -26,12 +28,52 @@ inline void rotate(const float* x, const float* cos, const float* sin, float* ou
   for (int64_t i = half; i < D; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
+
+// One query's attention over keys lo..hi (inclusive) of its row: o [D] = softmax(q . k_j * scale) v_j.
+// Inlined into a portable and an AVX2/FMA caller below, so the same loops are compiled for both
+// (the build itself targets baseline x86-64). scores has room for hi + 1 entries.
+__attribute__((always_inline)) inline void attend(const float* q, const float* keys, const float* values,
+                                                  int64_t key_stride, int64_t lo, int64_t hi, int64_t D, float scale,
+                                                  float* scores, float* o) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j <= hi; ++j) {
+    scores[j] = dot(q, keys + j * key_stride, D) * scale;
+    m = std::max(m, scores[j]);
+  }
+  float total = 0.f;
+  for (int64_t j = lo; j <= hi; ++j) {
+    scores[j] = std::exp(scores[j] - m);
+    total += scores[j];
+  }
+  std::fill(o, o + D, 0.f);
+  for (int64_t j = lo; j <= hi; ++j) {
+    const float e = scores[j];
+    const float* vj = values + j * key_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) o[i] += e * vj[i];
+  }
+  const float inv = 1.f / total;
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+}
+
+void attend_portable(const float* q, const float* keys, const float* values, int64_t key_stride, int64_t lo,
+                     int64_t hi, int64_t D, float scale, float* scores, float* o) {
+  attend(q, keys, values, key_stride, lo, hi, D, scale, scores, o);
+}
+
+#ifdef SPECENGINE_X86
+SPECENGINE_AVX2 void attend_avx2(const float* q, const float* keys, const float* values, int64_t key_stride,
+                                 int64_t lo, int64_t hi, int64_t D, float scale, float* scores, float* o) {
+  attend(q, keys, values, key_stride, lo, hi, D, scale, scores, o);
+}
+#endif
 
 }  // namespace
 
@@ -62,6 +104,11 @@ void cached_attention(const float* q, const float* k, const float* v, int64_t q_
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t items = B * T * H;
   const bool parallel = items * kv_len * D > kParallelWork;
+#ifdef SPECENGINE_X86
+  const auto attend_one = use_avx2() ? attend_avx2 : attend_portable;
+#else
+  const auto attend_one = attend_portable;
+#endif
 #pragma omp parallel if (parallel)
   {
     std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(kv_len, 1)));
@@ -72,27 +119,12 @@ void cached_attention(const float* q, const float* k, const float* v, int64_t q_
       const int64_t hi = std::min(p, kv_len - 1);
       const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
       float* o = out + item * D;
-      std::fill(o, o + D, 0.f);
-      if (hi < lo) continue;
-      const float* qh = q_rot.data() + item * D;
-      const float* keys = cache_k + b * cache_row_stride + (h / group) * D;
-      const float* values = cache_v + b * cache_row_stride + (h / group) * D;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = lo; j <= hi; ++j) {
-        scores[j] = dot(qh, keys + j * Hkv * D, D) * scale;
-        m = std::max(m, scores[j]);
+      if (hi < lo) {
+        std::fill(o, o + D, 0.f);
+        continue;
       }
-      float total = 0.f;
-      for (int64_t j = lo; j <= hi; ++j) {
-        const float e = std::exp(scores[j] - m);
-        total += e;
-        const float* vj = values + j * Hkv * D;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) o[i] += e * vj[i];
-      }
-      const float inv = 1.f / total;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+      attend_one(q_rot.data() + item * D, cache_k + b * cache_row_stride + (h / group) * D,
+                 cache_v + b * cache_row_stride + (h / group) * D, Hkv * D, lo, hi, D, scale, scores.data(), o);
     }
   }
 }
