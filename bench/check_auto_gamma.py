@@ -1,11 +1,13 @@
 """gamma="auto" against the best fixed gammas on the shipped pair: a short, targeted run.
 
     python bench/check_auto_gamma.py [--batch 1] [--prompts 8] [--new-tokens 128] [--repeats 2] [--gammas 2 3]
-        [--temperatures 0 1]
+        [--temperatures 0 1] [--useless-draft]
 
 The full comparison is bench/bench_e2e.py (every gamma, batch 1 and 8, against HF); this
 reruns only the best fixed gammas and "auto" at temperature 0 and 1, interleaved, median of the repeats,
 and writes bench/results/auto-gamma-<date>.csv with the measured step costs auto decided from.
+--useless-draft redraws the draft's weights at random (alpha near 0, same costs): auto must then
+decode about as fast as target-only decoding (gamma 0), never slower by more than its probes.
 """
 from __future__ import annotations
 
@@ -34,11 +36,17 @@ def main():
     parser.add_argument("--gammas", type=int, nargs="+", default=[2, 3], help="fixed gammas (0: target-only)")
     parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--useless-draft", action="store_true", help="the draft's weights redrawn at random")
     args = parser.parse_args()
     target_dir, draft_dir = shipped_pair()
     base = Engine.from_pretrained(target_dir)
     target, tokenizer = base.target, base.tokenizer
     draft = Engine.from_pretrained(draft_dir).target
+    if args.useless_draft:
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in draft.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     prompts = heldout_prompts(tokenizer, args.prompts, length=64, start_fraction=1 / 3)  # as bench_e2e
     # as Engine(gamma="auto") measures them, once for every engine here
     all_costs = {b: measure_costs(target, draft, 8, batch_size=b) for b in (1, 8)}
@@ -62,7 +70,8 @@ def main():
                 rates.setdefault((T, g), []).append(tokens / (time.perf_counter() - t0))
     date = datetime.date.today().isoformat()
     machine = machine_name()
-    out = RESULTS / f"auto-gamma-batch{args.batch}-{date}.csv"
+    kind = "-useless-draft" if args.useless_draft else ""
+    out = RESULTS / f"auto-gamma{kind}-batch{args.batch}-{date}.csv"
     with out.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["machine", "date", "torch", "batch", "temperature", "gamma", "tokens_per_s",

@@ -159,3 +159,32 @@ def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed():
         want = model.logits(model(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[:, -1]
     torch.testing.assert_close(proposal.logits[:, 0], want, atol=1e-5, rtol=1e-5)
     assert drafter.cache_lengths.tolist() == [len(sequence) + 1]  # the gap, then one draft step
+
+
+def test_eager_draft_steps_see_their_whole_prefix_and_name_their_keys():
+    """The eager drafter on ragged rows: every draft distribution is the draft model's on the whole
+    sequence so far, and each draft step tells the model its kv_len (known on the host: reading
+    it from the positions would synchronise a GPU every step)."""
+    model = tiny_model(V, seed=3, hidden_size=32)
+    drafter = ModelDrafter(model, V, V)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [7, 7], [3, 9, 27, 1]]
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)] * 3, [1, 2, 3], "cpu")
+    drafter.start(prompts, 32)
+    kv_lens, forward = [], model.forward
+
+    def spy(tokens, start_pos, cache, kv_len=None):
+        kv_lens.append(kv_len)
+        return forward(tokens, start_pos, cache, kv_len)
+
+    model.forward = spy
+    with torch.no_grad():
+        proposal = drafter.propose(prompts, [4, 4, 4], sampling)
+    del model.forward
+    assert kv_lens[1:] == [len(prompts[0]) + i + 1 for i in range(3)]  # after the catch-up
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            sequence = prompt + proposal.tokens[row].tolist()
+            fresh = model.new_cache(1, 32)
+            want = model.logits(model(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[0]
+            torch.testing.assert_close(proposal.logits[row], want[len(prompt) - 1: len(prompt) + 3], atol=1e-5,
+                                       rtol=1e-5)

@@ -58,7 +58,9 @@ class ModelDrafter:
             # acceptance (more after rounds without drafts, gamma="auto"'s g = 0).
             hidden = feed(self.model, self.cache, [seq[n:] for seq, n in zip(sequences, cached)], cached)
             lengths = self.cache.lengths.clone()  # [B] the first draft's position in each row
-            tokens, logits = self._draft_loop(self.model.logits(hidden), lengths, sampling, G, self._step)
+            longest = max(len(seq) for seq in sequences)
+            step = lambda tokens, positions, i: self._step(tokens, positions, kv_len=longest + i + 1)  # noqa: E731
+            tokens, logits = self._draft_loop(self.model.logits(hidden), lengths, sampling, G, step)
             self.cache.lengths.add_(G - 1)
         self.fed = [len(seq) + G - 1 for seq in sequences]  # the catch-up and G - 1 draft steps
         # The engine checks these logits when it reads the round's results (no synchronisation
@@ -68,8 +70,8 @@ class ModelDrafter:
     def _draft_loop(self, logits: torch.Tensor, lengths: torch.Tensor, sampling: SamplingBatch, G: int,
                     step) -> tuple[torch.Tensor, torch.Tensor]:
         """G drafts per row from the logits of each row's last token [B, V_draft]; lengths [B] is the
-        first draft's position; step(tokens [B], positions [B]) -> next logits [B, V_draft] feeds a
-        draft. Returns tokens [B, G] and the (vocabulary-fitted) logits they came from [B, G, V]."""
+        first draft's position; step(tokens [B], positions [B], i) -> next logits [B, V_draft] feeds
+        draft i. Returns tokens [B, G] and the (vocabulary-fitted) logits they came from [B, G, V]."""
         positions = lengths[:, None] + torch.arange(G, device=lengths.device)
         u = uniforms(sampling.seeds, positions, STREAM_DRAFT)  # [B, G]
         tokens, all_logits = [], []
@@ -80,14 +82,16 @@ class ModelDrafter:
             tokens.append(token)
             all_logits.append(logits)
             if i + 1 < G:
-                logits = step(token, positions[:, i])
+                logits = step(token, positions[:, i], i)
         return torch.stack(tokens, 1), torch.stack(all_logits, 1)
 
-    def _step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of one draft token per row [B] at these positions [B] (eager, or a static step)."""
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Logits [B, V] of one draft token per row [B] at these positions [B] (eager, or a static step
+        after an eager catch-up). kv_len: max(positions) + 1, known on the host (on a GPU, reading
+        it from positions would synchronise every draft step)."""
         if self.steps is not None:
             return self.steps(tokens[:, None], positions)[:, 0]
-        return self.model.logits(self.model(tokens[:, None], positions, self.cache))[:, 0]
+        return self.model.logits(self.model(tokens[:, None], positions, self.cache, kv_len=kv_len))[:, 0]
 
     # A round's catch-up is 1 or 2 tokens per row. The static path always feeds the last 2 (one of
     # them again when the cache holds it: same prefix, same K/V), which makes the whole draft
@@ -157,7 +161,7 @@ class ModelDrafter:
         """The static draft phase of a full bucket on the persistent cache (see _propose_static)."""
         (catch_up,) = self.steps.forward(chunks, rows[0])  # [bucket, W, V_draft]
         logits = catch_up[torch.arange(chunks.shape[0], device=chunks.device), rows[2]]
-        step = lambda tokens, positions: self.steps.forward(tokens[:, None], positions)[0][:, 0]  # noqa: E731
+        step = lambda tokens, positions, i: self.steps.forward(tokens[:, None], positions)[0][:, 0]  # noqa: E731
         return self._draft_loop(logits, rows[1], SamplingBatch(temperature, top_k, top_p, min_p, seeds), G, step)
 
     @property
