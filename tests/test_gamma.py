@@ -1,4 +1,6 @@
 """Adaptive gamma: the cost model's choice, and the engine falling back to target-only decoding."""
+import math
+
 import pytest
 
 from specengine import Engine, SamplingParams
@@ -41,10 +43,31 @@ def test_useless_or_expensive_draft_gives_gamma_zero_and_good_draft_gives_many()
 
 
 def test_controller_probes_now_and_then_at_gamma_zero():
-    controller = GammaController(CostModel(0.5, (1.0,) * 5))
+    controller = GammaController(CostModel(0.1, (1.0,) * 5))  # a probe costs 10% of a round: every 16
     estimate = AcceptanceEstimate(accepted=0.0, rejected=50.0)
     choices = [controller.choose([estimate]) for _ in range(3 * GammaController.PROBE_EVERY)]
     assert choices.count(1) == 3 and set(choices) == {0, 1}
+
+
+def test_probes_are_rarer_where_they_cost_more():
+    """Batch 8 on a 2-core CPU (measured costs): verifying 2 tokens took 1.8x one, so a probe (a
+    round drafting one token) costs almost a round more, and probes every 16 rounds cost 5-6% of
+    decoding. Probes then come only every ceil(extra / (2% of a round)) rounds. At batch 1, where
+    the target verifies 2 tokens as fast as one, they stay every 16 rounds."""
+    batch1 = CostModel(0.00129, (0.00575, 0.00567, 0.00762))
+    batch8 = CostModel(0.00198, (0.01323, 0.02381, 0.03319))
+    controller = GammaController({1: batch1, 8: batch8})
+    extra = batch8.round_seconds(1) - batch8.round_seconds(0)
+    interval = controller.probe_interval(8)
+    assert interval == math.ceil(extra / (GammaController.PROBE_SHARE * batch8.round_seconds(0))) > 40
+    assert controller.probe_interval(1) == GammaController.PROBE_EVERY
+    rows = [AcceptanceEstimate(accepted=0.0, rejected=50.0) for _ in range(8)]
+    choices = [controller.choose(rows) for _ in range(3 * interval)]
+    assert choices.count(1) == 3 and set(choices) == {0, 1}
+    assert [i for i, g in enumerate(choices) if g] == [interval - 1, 2 * interval - 1, 3 * interval - 1]
+    # rows finish: at batch 1 the round after 16 without drafts is a probe
+    useless = AcceptanceEstimate(accepted=0.0, rejected=50.0, rounds_without_drafts=GammaController.PROBE_EVERY)
+    assert controller.choose([useless]) == 1
 
 
 def brute_force_batch_best(costs: CostModel, alphas: list[float]) -> int:
@@ -100,7 +123,9 @@ def test_engine_flags_drafting_rounds_after_rounds_without_drafts(monkeypatch):
     V = 48
     target = tiny_model(V, seed=0, logit_scale=3.0)
     useless = ModelDrafter(tiny_model(V, seed=7, num_layers=1, hidden_size=16), V, V)
-    engine = Engine(target, drafter=useless, gamma="auto", costs=CostModel(0.2, tuple(1.0 + 0.1 * k for k in range(9))))
+    # a probe costs little (every 16 rounds), so 60 tokens see rounds at 0 and then one
+    costs = CostModel(0.05, tuple(1.0 + 0.01 * k for k in range(9)))
+    engine = Engine(target, drafter=useless, gamma="auto", costs=costs)
     seen = []
     real = engine.gamma_controller.observe_round
     monkeypatch.setattr(engine.gamma_controller, "observe_round",
@@ -144,8 +169,25 @@ def test_auto_gamma_measures_costs_when_none_are_given():
     assert sorted(controller.costs_by_batch) == [1, 8] and controller.max_gamma == 3
     for costs in controller.costs_by_batch.values():
         assert costs.draft_step_s > 0 and all(t > 0 for t in costs.verify_s)
-    assert controller.costs_for(5) is controller.costs_by_batch[1]
     assert controller.costs_for(64) is controller.costs_by_batch[8]
+
+
+def test_costs_between_measured_batch_sizes_are_interpolated():
+    """Rows finish at different times, so a batch of 8 ends as 7, 5, 2 rows: their costs lie
+    between batch 1's and batch 8's. Batch 1's costs for 4 rows (where verifying 2 tokens cost
+    1.8x one at batch 8 on a CPU) made auto draft there, at a loss."""
+    batch1 = CostModel(0.0013, (0.0058, 0.0057, 0.0076))
+    batch8 = CostModel(0.0022, (0.0144, 0.0253, 0.0346))
+    controller = GammaController({1: batch1, 8: batch8})
+    four = controller.costs_for(4)
+    assert four.draft_step_s == pytest.approx(0.0013 + 3 / 7 * 0.0009)
+    # 4 rows of 1, 2, 3 tokens: 4, 8, 12 tokens in all, between batch 1's 3 tokens (7.6 ms) and batch
+    # 8's 8 (14.4 ms) and 16 (25.3 ms)
+    assert four.verify_s == pytest.approx((0.0076 + 1 / 5 * (0.0144 - 0.0076), 0.0144, (0.0144 + 0.0253) / 2))
+    assert controller.costs_for(1) is batch1 and controller.costs_for(8) is batch8
+    assert controller.costs_for(16) is batch8
+    rows = [AcceptanceEstimate(accepted=8.0, rejected=2.0) for _ in range(4)]  # alpha 0.8
+    assert batch1.best_gamma([0.8] * 4) > 0 and controller.choose(rows) == 0
 
 
 def test_invalid_gamma():

@@ -12,11 +12,13 @@ keeps the estimates of alpha alive).
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..ops.verify import sample_warped
@@ -97,7 +99,8 @@ class AcceptanceEstimate:
 class GammaController:
     """Each round's gamma from CostModels (by batch size) and the rows' AcceptanceEstimates."""
 
-    PROBE_EVERY = 16  # rounds at gamma 0 before drafting one token again to re-measure alpha
+    PROBE_EVERY = 16  # rounds at gamma 0 before drafting one token again to re-measure alpha ...
+    PROBE_SHARE = 0.02  # ... or more, so that probes cost at most about this share of the time
 
     PRIOR_WEIGHT = 2.0  # a new request's estimate starts worth two draft tests
 
@@ -138,8 +141,23 @@ class GammaController:
         return next(iter(self.costs_by_batch.values())).max_gamma
 
     def costs_for(self, batch_size: int) -> CostModel:
-        """The model measured at the largest batch size not above this one (else the smallest)."""
-        return self.costs_by_batch[self._batch_key(batch_size)]
+        """The model measured at this batch size. Between measured sizes (the rows left when others
+        finish), a target call costs what the measured calls on as many tokens in all cost
+        (interpolated over batch * tokens: a matrix product's cost follows its rows), and a draft
+        step is interpolated over the batch size. Batch 1's costs taken for 4 rows, whose
+        verification of 2 tokens costs as much as 8 rows' of one on a CPU, drafted where batch 8
+        drafted nothing. Outside the measured sizes, the nearest."""
+        sizes = sorted(self.costs_by_batch)
+        if batch_size in self.costs_by_batch or batch_size < sizes[0] or batch_size > sizes[-1]:
+            return self.costs_by_batch[min(sizes, key=lambda b: abs(b - batch_size))]
+        tokens, seconds = zip(*sorted((b * k, t) for b, costs in self.costs_by_batch.items()
+                                      for k, t in enumerate(costs.verify_s, start=1)))
+        lo = max(b for b in sizes if b < batch_size)
+        hi = min(b for b in sizes if b > batch_size)
+        w = (batch_size - lo) / (hi - lo)
+        draft = (1 - w) * self.costs_by_batch[lo].draft_step_s + w * self.costs_by_batch[hi].draft_step_s
+        return CostModel(draft, tuple(float(np.interp(batch_size * k, tokens, seconds))
+                                      for k in range(1, self.max_gamma + 2)))
 
     def _batch_key(self, batch_size: int) -> int:
         fitting = [b for b in self.costs_by_batch if b <= batch_size]
@@ -153,7 +171,7 @@ class GammaController:
         if gamma > 0 and after_gap:
             return
         key = self._batch_key(batch_size)
-        costs = self.costs_by_batch[key]
+        costs = self.costs_for(batch_size)
         # Floored so that a round never looks cheaper than half a target call.
         residual = max(seconds - costs.round_seconds(gamma), -0.5 * costs.verify_s[0])
         slot = (key, gamma > 0)
@@ -173,28 +191,44 @@ class GammaController:
 
     def choose(self, estimates: Sequence[AcceptanceEstimate]) -> int:
         """One gamma for a round of these rows (the batch)."""
-        costs = self.costs_for(len(estimates))
         alphas = [e.alpha for e in estimates]
-        plain, drafting = self.round_overheads(len(estimates))
-        gamma = costs.best_gamma(alphas, plain, drafting)
         # A long draft bets on a long run of acceptances: gamma grows by at most RAMP_STEP a round,
         # so a few lucky probes after rounds at gamma 0 do not buy rounds of 8 drafts for the batch.
-        gamma = min(gamma, max(e.last_gamma for e in estimates) + self.RAMP_STEP)
-        # Step costs and alpha estimates are noisy (a few % on a 2-core CPU): where the model
-        # promises drafting less than DRAFT_MARGIN over target-only decoding (batch 8 on that CPU,
-        # where target-only decoding was the fastest in every run), the bet loses as often as it wins.
-        if gamma > 0 and (costs.tokens_per_second(alphas, gamma, drafting)
-                          < (1 + self.DRAFT_MARGIN) * costs.tokens_per_second(alphas, 0, plain)):
-            gamma = 0
+        gamma = self._paying_gamma(alphas, limit=max(e.last_gamma for e in estimates) + self.RAMP_STEP)
         if gamma == 0:
             for e in estimates:
                 e.rounds_without_drafts += 1
-            if max(e.rounds_without_drafts for e in estimates) >= self.PROBE_EVERY:
+            if max(e.rounds_without_drafts for e in estimates) >= self.probe_interval(len(estimates)):
                 for e in estimates:
                     e.rounds_without_drafts = 0
                 gamma = 1
         for e in estimates:
             e.last_gamma = gamma
+        return gamma
+
+    def probe_interval(self, batch_size: int) -> int:
+        """Rounds at gamma 0 between probes (one-draft rounds that re-measure alpha): PROBE_EVERY,
+        or more where a probe costs more than PROBE_SHARE of the rounds between probes. At batch 8
+        on a 2-core CPU, verifying 2 tokens took 1.8x one: a probe every 16 rounds cost 5-6% of
+        decoding time, against 2% at batch 1."""
+        costs = self.costs_for(batch_size)
+        plain, drafting = self.round_overheads(batch_size)
+        extra = costs.round_seconds(1, drafting) - costs.round_seconds(0, plain)
+        return max(self.PROBE_EVERY, math.ceil(extra / (self.PROBE_SHARE * costs.round_seconds(0, plain))))
+
+    def _paying_gamma(self, alphas: list[float], limit: int | None = None) -> int:
+        """The best gamma (at most limit) for rows with these alphas, or 0 where its predicted
+        tokens per second beat target-only decoding's by less than DRAFT_MARGIN: step costs and
+        alpha estimates are noisy (a few % on a 2-core CPU), and a near-tie bet loses as often as
+        it wins (batch 8 on that CPU, where target-only decoding was the fastest in every run)."""
+        costs = self.costs_for(len(alphas))
+        plain, drafting = self.round_overheads(len(alphas))
+        gamma = costs.best_gamma(alphas, plain, drafting)
+        if limit is not None:
+            gamma = min(gamma, limit)
+        if gamma > 0 and (costs.tokens_per_second(alphas, gamma, drafting)
+                          < (1 + self.DRAFT_MARGIN) * costs.tokens_per_second(alphas, 0, plain)):
+            return 0
         return gamma
 
 
@@ -216,7 +250,7 @@ def median_seconds(fn, reps: int, warmup: int = 1) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: int = 64, reps: int = 5,
+def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: int = 64, reps: int = 7,
                   target_steps=None, draft_steps=None) -> CostModel:
     """Time the target on 1..max_gamma+1 tokens and one draft step for `batch_size` rows at `context`
     cached tokens (a draft of None costs nothing). A draft step is what a drafter pays per token:
@@ -238,7 +272,9 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
             logits = forward(x)
             if then is not None:
                 then(logits[:, -1])
-        return median_seconds(call, reps)
+        # Three warm-up calls: the first timings of a fresh process ran up to 1.7x slow on a 2-core
+        # CPU (batch 8, one token: 23.9 ms against 13.9 later), which made drafting look cheap.
+        return median_seconds(call, reps, warmup=3)
 
     def sample(logits):
         rows, device = logits.shape[0], logits.device
