@@ -126,6 +126,7 @@ class GammaController:
         self.overhead_s: dict[tuple[int, bool], float] = {(b, d): 0.0 for b in self.costs_by_batch
                                                           for d in (False, True)}
         self._observed: set[tuple[int, bool]] = set()
+        self._costs_at: dict[int, CostModel] = {}  # see costs_for
 
     def new_estimate(self) -> AcceptanceEstimate:
         alpha = self.finished.alpha
@@ -147,6 +148,11 @@ class GammaController:
         step is interpolated over the batch size. Batch 1's costs taken for 4 rows, whose
         verification of 2 tokens costs as much as 8 rows' of one on a CPU, drafted where batch 8
         drafted nothing. Outside the measured sizes, the nearest."""
+        if batch_size not in self._costs_at:  # asked up to three times a round: built once per size
+            self._costs_at[batch_size] = self._costs_between(batch_size)
+        return self._costs_at[batch_size]
+
+    def _costs_between(self, batch_size: int) -> CostModel:
         sizes = sorted(self.costs_by_batch)
         if batch_size in self.costs_by_batch or batch_size < sizes[0] or batch_size > sizes[-1]:
             return self.costs_by_batch[min(sizes, key=lambda b: abs(b - batch_size))]
@@ -216,16 +222,14 @@ class GammaController:
         extra = costs.round_seconds(1, drafting) - costs.round_seconds(0, plain)
         return max(self.PROBE_EVERY, math.ceil(extra / (self.PROBE_SHARE * costs.round_seconds(0, plain))))
 
-    def _paying_gamma(self, alphas: list[float], limit: int | None = None) -> int:
+    def _paying_gamma(self, alphas: list[float], limit: int) -> int:
         """The best gamma (at most limit) for rows with these alphas, or 0 where its predicted
         tokens per second beat target-only decoding's by less than DRAFT_MARGIN: step costs and
         alpha estimates are noisy (a few % on a 2-core CPU), and a near-tie bet loses as often as
         it wins (batch 8 on that CPU, where target-only decoding was the fastest in every run)."""
         costs = self.costs_for(len(alphas))
         plain, drafting = self.round_overheads(len(alphas))
-        gamma = costs.best_gamma(alphas, plain, drafting)
-        if limit is not None:
-            gamma = min(gamma, limit)
+        gamma = min(costs.best_gamma(alphas, plain, drafting), limit)
         if gamma > 0 and (costs.tokens_per_second(alphas, gamma, drafting)
                           < (1 + self.DRAFT_MARGIN) * costs.tokens_per_second(alphas, 0, plain)):
             return 0
