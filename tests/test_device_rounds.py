@@ -147,3 +147,26 @@ def test_drafter_state_after_a_block_serves_a_later_catch_up():
         fresh = target.new_cache(1, 64)
         want = target.logits(target(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[:, -1]
     torch.testing.assert_close(first, want, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_gamma_drafts_from_device_state_only_once_the_draft_cache_has_caught_up(monkeypatch):
+    """After rounds at gamma 0 the draft cache lacks more than the last two tokens that a round run
+    from device state feeds it: the first drafting round is a host round (its catch-up feeds the
+    whole gap), and only then may blocks draft. A perfect draft then accepts every greedy draft."""
+    target, _ = models()
+    auto = engine(target, target, 6, gamma="auto", max_gamma=3)
+    script = iter([0, 0] + [3] * 100)  # two blocks of 6 target-only rounds, then drafting
+    monkeypatch.setattr(auto.gamma_controller, "choose", lambda estimates: next(script))
+    lags = []  # per drafting block: the most tokens a row's draft cache lacks when it starts
+    real = engine_module.run_block
+
+    def spy(target_steps, drafter, sampling, sequences, gamma, *rest):
+        if gamma > 0:
+            lags.append(max(len(s) - min(fed, len(s) - 1) for s, fed in zip(sequences, drafter.fed)))
+        return real(target_steps, drafter, sampling, sequences, gamma, *rest)
+    monkeypatch.setattr(engine_module, "run_block", spy)
+    (result,) = auto.generate([PROMPTS[0]], SamplingParams(max_new_tokens=40, temperature=0.0))
+    assert lags and max(lags) <= auto.drafter.CATCH_UP_WIDTH
+    assert result.stats.drafted > 0 and result.stats.accepted == result.stats.drafted
+    assert result.token_ids == Engine(target).generate([PROMPTS[0]], SamplingParams(max_new_tokens=40,
+                                                                                     temperature=0.0))[0].token_ids

@@ -42,11 +42,33 @@ def test_useless_or_expensive_draft_gives_gamma_zero_and_good_draft_gives_many()
     assert CostModel(1.5, (1.0,) * 9).best_gamma(0.9) == 0  # a draft slower than the target never pays
 
 
-def test_controller_probes_now_and_then_at_gamma_zero():
+def probe_rounds(choices: list[int]) -> list[int]:
+    return [i for i, g in enumerate(choices) if g]
+
+
+def test_controller_probes_ever_more_rarely_while_the_draft_stays_useless():
+    """Rounds at gamma 0 probe (draft one token) after PROBE_EVERY rounds; every probe after which
+    gamma is back at 0 doubles the wait, up to 2^MAX_BACKOFF times (a useless draft cost ~4% of
+    decoding at batch 1 on a 2-core CPU with a probe every 16 rounds)."""
     controller = GammaController(CostModel(0.1, (1.0,) * 5))  # a probe costs 10% of a round: every 16
     estimate = AcceptanceEstimate(accepted=0.0, rejected=50.0)
-    choices = [controller.choose([estimate]) for _ in range(3 * GammaController.PROBE_EVERY)]
-    assert choices.count(1) == 3 and set(choices) == {0, 1}
+    choices = [controller.choose([estimate]) for _ in range(1200)]
+    assert set(choices) == {0, 1}
+    waits = [16, 32, 64, 128, 256, 256, 256]
+    assert probe_rounds(choices) == [sum(waits[: i + 1]) - 1 for i in range(len(waits))]
+
+
+def test_a_probe_that_pays_ends_the_backoff():
+    costs = CostModel(0.1, (1.0,) * 5)
+    controller = GammaController(costs)
+    estimate = AcceptanceEstimate(accepted=0.0, rejected=50.0)
+    choices = [controller.choose([estimate]) for _ in range(16 + 32 + 64)]
+    assert probe_rounds(choices) == [15, 47, 111] and estimate.unanswered_probes == 2 and estimate.probing
+    estimate.accepted, estimate.rejected = 50.0, 0.0  # the last probe found the draft good again
+    assert controller.choose([estimate]) > 0 and estimate.unanswered_probes == 0
+    estimate.accepted, estimate.rejected = 0.0, 50.0  # and useless again: back to probing every 16
+    choices = [controller.choose([estimate]) for _ in range(40)]
+    assert probe_rounds(choices) == [15]
 
 
 def test_probes_are_rarer_where_they_cost_more():
@@ -62,9 +84,8 @@ def test_probes_are_rarer_where_they_cost_more():
     assert interval == math.ceil(extra / (GammaController.PROBE_SHARE * batch8.round_seconds(0))) > 40
     assert controller.probe_interval(1) == GammaController.PROBE_EVERY
     rows = [AcceptanceEstimate(accepted=0.0, rejected=50.0) for _ in range(8)]
-    choices = [controller.choose(rows) for _ in range(3 * interval)]
-    assert choices.count(1) == 3 and set(choices) == {0, 1}
-    assert [i for i, g in enumerate(choices) if g] == [interval - 1, 2 * interval - 1, 3 * interval - 1]
+    choices = [controller.choose(rows) for _ in range(7 * interval)]
+    assert probe_rounds(choices) == [interval - 1, 3 * interval - 1, 7 * interval - 1]
     # rows finish: at batch 1 the round after 16 without drafts is a probe
     useless = AcceptanceEstimate(accepted=0.0, rejected=50.0, rounds_without_drafts=GammaController.PROBE_EVERY)
     assert controller.choose([useless]) == 1
@@ -119,7 +140,8 @@ def test_auto_gamma_with_useless_draft_decodes_like_target_only():
 
 def test_engine_flags_drafting_rounds_after_rounds_without_drafts(monkeypatch):
     """The probes of a useless draft follow rounds at gamma 0: the engine says so, and the
-    controller does not learn their (longer) catch-up as drafting overhead."""
+    controller does not learn their (longer) catch-up as drafting overhead; nor the first
+    round's, which feeds the draft model the prompt."""
     V = 48
     target = tiny_model(V, seed=0, logit_scale=3.0)
     useless = ModelDrafter(tiny_model(V, seed=7, num_layers=1, hidden_size=16), V, V)
@@ -133,7 +155,35 @@ def test_engine_flags_drafting_rounds_after_rounds_without_drafts(monkeypatch):
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=60, temperature=0))
     gammas = [g for g, _ in seen]
     assert 0 in gammas and any(g > 0 for g in gammas[gammas.index(0):])  # rounds at 0, then a probe
-    assert [gap for _, gap in seen] == [False] + [previous == 0 for previous in gammas[:-1]]
+    # (the first round counts as one: gamma="auto" leaves the draft's prefill to the first proposal)
+    assert [gap for _, gap in seen] == [previous == 0 for previous in [0] + gammas[:-1]]
+
+
+def test_a_draft_useless_for_earlier_requests_is_never_run_for_a_short_one(monkeypatch):
+    """The first requests find the draft useless; later ones start from their alpha and their
+    unanswered probes, so a request shorter than the wait for its first probe never drafts,
+    and the draft model (whose prefill gamma="auto" leaves to the first proposal) never runs."""
+    V = 48
+    target = tiny_model(V, seed=0, logit_scale=3.0)
+    draft = tiny_model(V, seed=7, num_layers=1, hidden_size=16)
+    costs = CostModel(0.2, tuple(1.0 + 0.1 * k for k in range(9)))
+    engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma="auto", costs=costs)
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=120, temperature=0))
+    controller = engine.gamma_controller
+    start = controller.new_estimate()
+    assert start.alpha < 0.2 and start.unanswered_probes >= 1
+    first_probe = controller.probe_interval(1) << start.unanswered_probes  # rounds at gamma 0 before it
+    assert first_probe >= 2 * GammaController.PROBE_EVERY
+    calls = []
+    real = draft.forward
+    monkeypatch.setattr(draft, "forward", lambda *args, **kw: (calls.append(1), real(*args, **kw))[1])
+    short = SamplingParams(max_new_tokens=first_probe - 1, temperature=0)
+    (result,) = engine.generate([[7, 8, 9]], short)
+    assert calls == [] and result.stats.drafted == 0
+    assert result.token_ids == Engine(target).generate([[7, 8, 9]], short)[0].token_ids
+    # A useful draft answers its probes: the next request probes after PROBE_EVERY rounds again.
+    controller.observe_finished(AcceptanceEstimate(unanswered_probes=0), 30, 2)
+    assert controller.new_estimate().unanswered_probes == 0
 
 
 def test_auto_gamma_with_perfect_draft_drafts_many_tokens():

@@ -145,13 +145,16 @@ def test_static_draft_phase_is_one_fixed_shape_computation_and_decodes_as_eager(
             torch.testing.assert_close(first[row], want, atol=1e-5, rtol=1e-5)
 
 
-def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed():
-    """gamma="auto" may draft 0 for a few rounds: the drafter then lacks more than the static width.
-    Its first draft distribution must still be the draft model's on the whole sequence."""
+@pytest.mark.parametrize("prefill", [True, False])
+def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed(prefill):
+    """gamma="auto" may draft 0 for a few rounds (and starts without the draft's prefill): the
+    drafter then lacks more than the static width. Its first draft distribution must still be
+    the draft model's on the whole sequence."""
     _, static = engines("cpu")
     drafter, model = static.drafter, static.drafter.model
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)], [1], "cpu")
-    drafter.start([[1, 2, 3]], 32)  # caches [1, 2]
+    drafter.start([[1, 2, 3]], 32, prefill=prefill)  # caches [1, 2], or nothing
+    assert drafter.cache_lengths.tolist() == [2 if prefill else 0]
     sequence = [1, 2, 3, 5, 6, 7]  # three target-only rounds later: 4 tokens to catch up on
     with torch.no_grad():
         proposal = drafter.propose([sequence], [2], sampling)

@@ -25,8 +25,9 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    def start(self, prompts: list[list[int]], capacity: int) -> None:
-        """Begin a batch: one row per prompt, contexts of at most `capacity` tokens."""
+    def start(self, prompts: list[list[int]], capacity: int, prefill: bool = True) -> None:
+        """Begin a batch: one row per prompt, contexts of at most `capacity` tokens. prefill=False:
+        leave the prompts to the first proposal (gamma="auto" may never draft for a request)."""
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         """Up to budgets[b] draft tokens to follow sequences[b] (max(budgets) >= 1)."""

@@ -29,13 +29,15 @@ class ModelDrafter:
         """Run draft steps on a persistent cache through StepGraphs (CUDA graphs on a GPU)."""
         self.steps = StepGraphs(self.model, max_batch_size, capacity)
 
-    def start(self, prompts: list[list[int]], capacity: int):
+    def start(self, prompts: list[list[int]], capacity: int, prefill: bool = True):
         if self.steps is not None:
             self.cache = self.steps.new_batch(len(prompts))
         else:
             self.cache = self.model.new_cache(len(prompts), capacity)
-        self.fed = [len(p) - 1 for p in prompts]
-        feed(self.model, self.cache, [p[:-1] for p in prompts], cached=[0] * len(prompts))
+        self.fed = [0] * len(prompts)
+        if prefill:
+            feed(self.model, self.cache, [p[:-1] for p in prompts], cached=self.fed)
+            self.fed = [len(p) - 1 for p in prompts]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V_draft] -> [B, V_target], -inf on ids the draft must not propose."""
@@ -132,6 +134,11 @@ class ModelDrafter:
             rows[:2, B:] = capacity
             rows[2, B:] = 0
         return self._run_draft_phase(B, G, sampling, fill)
+
+    def caught_up(self, sequences: list[list[int]]) -> bool:
+        """Whether each row's cache lacks at most the static catch-up's last tokens (all that a
+        round run from device state feeds it; after rounds at gamma 0 it lacks more)."""
+        return all(len(seq) - min(fed, len(seq) - 1) <= self.CATCH_UP_WIDTH for seq, fed in zip(sequences, self.fed))
 
     def resync(self, lengths: list[int]):
         """After rounds run from device state: the rows now hold sequences of these lengths. The

@@ -254,7 +254,9 @@ class Engine:
             # The cache holds everything but each sequence's last token, which the next round feeds.
             feed(self.target, cache, [p[:-1] for p in prompts], cached=[0] * len(prompts))
             if self.drafter is not None:
-                self.drafter.start(prompts, capacity)
+                # gamma="auto" feeds the draft model when it first drafts: a request whose draft
+                # does not pay may never draft, and then never pays for the draft's prefill.
+                self.drafter.start(prompts, capacity, prefill=self.gamma_controller is None)
         for r in requests:
             r.stats.target_calls += len(r.prompt_token_ids) > 1
         if self.gamma_controller is not None:
@@ -264,7 +266,7 @@ class Engine:
         sampling = SamplingBatch.from_params([r.params for r in active], [r.seed for r in active], device)
 
         self.last_run_rounds = 0
-        previous_gamma = None  # the last round's drafts (None before the first)
+        previous_gamma = 0  # the last round's drafts (before the first: none, and the draft model unfed)
         while active:
             round_start = time.perf_counter()
             sequences = [r.tokens for r in active]
@@ -283,7 +285,7 @@ class Engine:
                 if r.finish_reason is not None:
                     r.stats.wall_time_s = time.perf_counter() - t0
                     if self.gamma_controller is not None:
-                        self.gamma_controller.observe_finished(r.stats.accepted, r.stats.rejections)
+                        self.gamma_controller.observe_finished(r.acceptance, r.stats.accepted, r.stats.rejections)
             if self.gamma_controller is not None:
                 self.gamma_controller.observe_round(len(active), gamma,
                                                     (time.perf_counter() - round_start) / outcomes[0].rounds,
@@ -340,8 +342,8 @@ class Engine:
         """Rounds to run from device state before reading back (1: a host round)."""
         if self.check_every == 1 or min(len(s) for s in sequences) < 2:
             return 1
-        if gamma > 0 and not hasattr(self.drafter, "propose_on_device"):
-            return 1
+        if gamma > 0 and not (hasattr(self.drafter, "propose_on_device") and self.drafter.caught_up(sequences)):
+            return 1  # a host round first: its catch-up feeds the draft model what rounds at gamma 0 skipped
         rooms = [min(r.params.max_new_tokens - len(r.generated), capacity - len(s)) for r, s in zip(active, sequences)]
         return max(1, min(self.check_every, rounds_that_fit(rooms, gamma)))
 
@@ -368,7 +370,8 @@ class Engine:
         logit_checks = [(name, t, logits_all_finite(t)) for name, t in (("draft", proposal.logits), ("target", logits))
                         if t is not None]
         # Token i of this round lands at absolute position len(sequence) + i: its uniforms' key.
-        draft_lengths = self.drafter.cache_lengths if self.drafter is not None else None
+        # (a round without drafts leaves the draft cache as it is: shorter than the target's)
+        draft_lengths = self.drafter.cache_lengths if proposal.tokens.shape[1] > 0 else None
         with self.phases("accept"):
             emitted, num_emitted = verify(
                 logits, proposal.logits, proposal.tokens, proposal.num_drafts, sampling.temperature, sampling.top_k,

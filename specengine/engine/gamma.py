@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -55,26 +56,44 @@ class CostModel:
     def max_gamma(self) -> int:
         return len(self.verify_s) - 1
 
+    @cached_property
+    def steps_s(self) -> tuple[float, ...]:
+        """steps_s[g]: the g draft steps and the target call of a round drafting g tokens."""
+        return tuple(g * self.draft_step_s + verify_s for g, verify_s in enumerate(self.verify_s))
+
     def round_seconds(self, gamma: int, overhead_s: float = 0.0) -> float:
         """A round drafting gamma tokens; overhead_s: what a round costs beyond its draft steps and
         target call (the verify step, the loop's bookkeeping), see GammaController.observe_round."""
-        return gamma * self.draft_step_s + self.verify_s[gamma] + overhead_s
+        return self.steps_s[gamma] + overhead_s
 
     def tokens_per_second(self, alphas: float | Sequence[float], gamma: int, overhead_s: float = 0.0) -> float:
         """Expected tokens per second of rounds drafting gamma tokens for rows with these alphas."""
         alphas = (alphas,) if isinstance(alphas, (int, float)) else alphas
         return sum(expected_tokens(a, gamma) for a in alphas) / self.round_seconds(gamma, overhead_s)
 
+    def rates(self, alphas: float | Sequence[float], overhead_s: float = 0.0,
+              drafting_overhead_s: float | None = None) -> list[float]:
+        """tokens_per_second at every gamma 0..max_gamma in one pass (gamma="auto" asks every
+        round): a row's expected tokens at gamma g are 1 + alpha + ... + alpha^g, so they add up
+        power by power. drafting_overhead_s: the overhead of rounds that draft, where it differs
+        from target-only rounds' (default: the same)."""
+        alphas = (alphas,) if isinstance(alphas, (int, float)) else alphas
+        drafting_overhead_s = overhead_s if drafting_overhead_s is None else drafting_overhead_s
+        tokens = [0.0] * len(self.verify_s)  # tokens[g]: the rows' expected tokens at gamma g
+        for alpha in alphas:
+            row_tokens, power = 0.0, 1.0
+            for g in range(len(tokens)):
+                row_tokens += power
+                power *= alpha
+                tokens[g] += row_tokens
+        return [tokens[0] / (self.steps_s[0] + overhead_s)] + [
+            n / (steps_s + drafting_overhead_s) for n, steps_s in zip(tokens[1:], self.steps_s[1:])]
+
     def best_gamma(self, alphas: float | Sequence[float], overhead_s: float = 0.0,
                    drafting_overhead_s: float | None = None) -> int:
-        """The gamma of most tokens per second (the smallest on ties). drafting_overhead_s: the
-        overhead of rounds that draft, where it differs from target-only rounds' (default: the same)."""
-        return max(range(self.max_gamma + 1),
-                   key=lambda g: (self.tokens_per_second(alphas, g, self.overhead(g, overhead_s, drafting_overhead_s)), -g))
-
-    @staticmethod
-    def overhead(gamma: int, overhead_s: float, drafting_overhead_s: float | None) -> float:
-        return overhead_s if gamma == 0 or drafting_overhead_s is None else drafting_overhead_s
+        """The gamma of most tokens per second (the smallest on ties); overheads as in rates."""
+        rates = self.rates(alphas, overhead_s, drafting_overhead_s)
+        return rates.index(max(rates))
 
 
 @dataclass
@@ -86,6 +105,8 @@ class AcceptanceEstimate:
     decay: float = 0.9      # per round: the last ~10 rounds dominate
     rounds_without_drafts: int = 0
     last_gamma: int = 0     # the gamma of this request's last round
+    unanswered_probes: int = 0  # probes since this request last drafted (each doubles its wait)
+    probing: bool = False       # its last round was a probe
 
     @property
     def alpha(self) -> float:
@@ -101,6 +122,10 @@ class GammaController:
 
     PROBE_EVERY = 16  # rounds at gamma 0 before drafting one token again to re-measure alpha ...
     PROBE_SHARE = 0.02  # ... or more, so that probes cost at most about this share of the time
+    # A probe that finds the draft still useless doubles the wait for the next one: a draft that
+    # never pays costs a request of n rounds about log2(n / PROBE_EVERY) probes, not n / 16
+    # (each probe also feeds the draft model what it missed, ~2 ms at batch 1 on a 2-core CPU).
+    MAX_BACKOFF = 4  # waits of at most 16x: the draft is re-tested at least every 256 rounds
 
     PRIOR_WEIGHT = 2.0  # a new request's estimate starts worth two draft tests
 
@@ -115,6 +140,7 @@ class GammaController:
         # Acceptance over finished requests (halved per request): where a new request's estimate
         # starts, so it does not spend its first rounds drafting for alpha = 0.5.
         self.finished = AcceptanceEstimate(decay=0.5)
+        self.finished_unanswered_probes = 0  # the last finished request's (see observe_finished)
         # Per (cost model, drafting or not): the smoothed time a round took beyond its modelled
         # draft steps and target call. The fused verify step and the loop's bookkeeping cost the
         # same at any gamma (about 0.7 ms a round at batch 1 on a 2-core CPU), which favours
@@ -123,19 +149,24 @@ class GammaController:
         # ~1 ms for a target-only round, so one shared estimate kept drafting where target-only
         # decoding was 2.5x faster. The first drafting round after rounds at gamma 0 also feeds
         # the drafter what it missed; it is left out (learning from it kept gamma at 0 on the CPU).
-        self.overhead_s: dict[tuple[int, bool], float] = {(b, d): 0.0 for b in self.costs_by_batch
-                                                          for d in (False, True)}
-        self._observed: set[tuple[int, bool]] = set()
+        self.overhead_s: dict[tuple[int, bool], float] = {}  # (measured batch size, drafting): seconds
         self._costs_at: dict[int, CostModel] = {}  # see costs_for
+        self._key_at: dict[int, int] = {}  # see _batch_key
 
     def new_estimate(self) -> AcceptanceEstimate:
         alpha = self.finished.alpha
-        return AcceptanceEstimate(accepted=self.PRIOR_WEIGHT * alpha, rejected=self.PRIOR_WEIGHT * (1 - alpha))
+        return AcceptanceEstimate(accepted=self.PRIOR_WEIGHT * alpha, rejected=self.PRIOR_WEIGHT * (1 - alpha),
+                                  unanswered_probes=self.finished_unanswered_probes)
 
-    def observe_finished(self, accepted: int, rejections: int):
-        """Fold a finished request's accepted drafts and rejections into the prior of the next ones."""
+    def observe_finished(self, estimate: AcceptanceEstimate, accepted: int, rejections: int):
+        """Fold a finished request into the start of the next ones: its accepted drafts and
+        rejections into their prior alpha, and its unanswered probes into their wait for the
+        first probe (a draft useless for the last requests is re-tested after up to 256 rounds,
+        not 16: with a probe every 16 rounds or so, a useless draft's probes and catch-ups cost
+        3-4% of decoding at batch 1 on a 2-core CPU)."""
         if accepted + rejections:
             self.finished.update(accepted, rejections)
+        self.finished_unanswered_probes = estimate.unanswered_probes
 
     @property
     def max_gamma(self) -> int:
@@ -166,8 +197,11 @@ class GammaController:
                                       for k in range(1, self.max_gamma + 2)))
 
     def _batch_key(self, batch_size: int) -> int:
-        fitting = [b for b in self.costs_by_batch if b <= batch_size]
-        return max(fitting) if fitting else min(self.costs_by_batch)
+        """The measured batch size whose round overheads this one shares: the largest not above it."""
+        if batch_size not in self._key_at:
+            self._key_at[batch_size] = max((b for b in self.costs_by_batch if b <= batch_size),
+                                           default=min(self.costs_by_batch))
+        return self._key_at[batch_size]
 
     OVERHEAD_DECAY = 0.9  # per round: the last ~10 rounds dominate
 
@@ -181,8 +215,7 @@ class GammaController:
         # Floored so that a round never looks cheaper than half a target call.
         residual = max(seconds - costs.round_seconds(gamma), -0.5 * costs.verify_s[0])
         slot = (key, gamma > 0)
-        self.overhead_s[slot] = self.OVERHEAD_DECAY * self.overhead_s[slot] + (1 - self.OVERHEAD_DECAY) * residual
-        self._observed.add(slot)
+        self.overhead_s[slot] = self.OVERHEAD_DECAY * self.overhead_s.get(slot, 0.0) + (1 - self.OVERHEAD_DECAY) * residual
 
     def round_overheads(self, batch_size: int) -> tuple[float, float]:
         """(target-only, drafting) overhead per round at this batch size. Until one kind of round
@@ -190,7 +223,7 @@ class GammaController:
         beyond its model than a target-only round (the residuals are noisy, and a negative
         difference would make a useless draft look free)."""
         key = self._batch_key(batch_size)
-        plain, drafting = (self.overhead_s[(key, d)] if (key, d) in self._observed else None for d in (False, True))
+        plain, drafting = self.overhead_s.get((key, False)), self.overhead_s.get((key, True))
         plain = plain if plain is not None else (drafting if drafting is not None else 0.0)
         drafting = drafting if drafting is not None else plain
         return plain, max(plain, drafting)
@@ -201,14 +234,23 @@ class GammaController:
         # A long draft bets on a long run of acceptances: gamma grows by at most RAMP_STEP a round,
         # so a few lucky probes after rounds at gamma 0 do not buy rounds of 8 drafts for the batch.
         gamma = self._paying_gamma(alphas, limit=max(e.last_gamma for e in estimates) + self.RAMP_STEP)
+        probe = False
         if gamma == 0:
             for e in estimates:
+                e.unanswered_probes += e.probing  # its last round probed, and gamma is back to 0
                 e.rounds_without_drafts += 1
-            if max(e.rounds_without_drafts for e in estimates) >= self.probe_interval(len(estimates)):
-                for e in estimates:
-                    e.rounds_without_drafts = 0
-                gamma = 1
+            def waited(interval: int) -> bool:
+                return any(e.rounds_without_drafts >= interval << min(e.unanswered_probes, self.MAX_BACKOFF)
+                           for e in estimates)
+            # The interval is at least PROBE_EVERY: most rounds need not compute it.
+            probe = waited(self.PROBE_EVERY) and waited(self.probe_interval(len(estimates)))
+            gamma = int(probe)
         for e in estimates:
+            if probe or gamma > 0:
+                e.rounds_without_drafts = 0
+            if gamma > 0 and not probe:
+                e.unanswered_probes = 0
+            e.probing = probe
             e.last_gamma = gamma
         return gamma
 
@@ -216,7 +258,8 @@ class GammaController:
         """Rounds at gamma 0 between probes (one-draft rounds that re-measure alpha): PROBE_EVERY,
         or more where a probe costs more than PROBE_SHARE of the rounds between probes. At batch 8
         on a 2-core CPU, verifying 2 tokens took 1.8x one: a probe every 16 rounds cost 5-6% of
-        decoding time, against 2% at batch 1."""
+        decoding time, against 2% at batch 1. Each probe after which a row went back to gamma 0
+        doubles that row's wait (see choose), up to 2^MAX_BACKOFF times this."""
         costs = self.costs_for(batch_size)
         plain, drafting = self.round_overheads(batch_size)
         extra = costs.round_seconds(1, drafting) - costs.round_seconds(0, plain)
@@ -227,13 +270,9 @@ class GammaController:
         tokens per second beat target-only decoding's by less than DRAFT_MARGIN: step costs and
         alpha estimates are noisy (a few % on a 2-core CPU), and a near-tie bet loses as often as
         it wins (batch 8 on that CPU, where target-only decoding was the fastest in every run)."""
-        costs = self.costs_for(len(alphas))
-        plain, drafting = self.round_overheads(len(alphas))
-        gamma = min(costs.best_gamma(alphas, plain, drafting), limit)
-        if gamma > 0 and (costs.tokens_per_second(alphas, gamma, drafting)
-                          < (1 + self.DRAFT_MARGIN) * costs.tokens_per_second(alphas, 0, plain)):
-            return 0
-        return gamma
+        rates = self.costs_for(len(alphas)).rates(alphas, *self.round_overheads(len(alphas)))
+        gamma = min(rates.index(max(rates)), limit)
+        return gamma if rates[gamma] >= (1 + self.DRAFT_MARGIN) * rates[0] else 0
 
 
 def median_seconds(fn, reps: int, warmup: int = 1) -> float:
