@@ -59,15 +59,25 @@ def main():
                for g in [*args.gammas, "auto"]}
     batches = [prompts[i: i + args.batch] for i in range(0, len(prompts), args.batch)]
     rates: dict[tuple[float, int | str], list[float]] = {}
+    drafts_per_token: dict[tuple[float, int | str], list[float]] = {}  # per repeat
     for rep in range(args.repeats):
         for T in args.temperatures:
-            for g, engine in engines.items():
-                t0, tokens = time.perf_counter(), 0
-                for i, batch in enumerate(batches):
-                    params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=T, ignore_eos=True,
-                                             seed=100 * rep + 10 * i + j) for j in range(len(batch))]
-                    tokens += sum(len(r.token_ids) for r in engine.generate(batch, params))
-                rates.setdefault((T, g), []).append(tokens / (time.perf_counter() - t0))
+            # Interleaved batch by batch (not configuration by configuration), so that a slow
+            # stretch of the machine falls on every configuration alike.
+            seconds, tokens = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
+            drafted = dict.fromkeys(engines, 0)
+            for i, batch in enumerate(batches):
+                params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=T, ignore_eos=True,
+                                         seed=100 * rep + 10 * i + j) for j in range(len(batch))]
+                for g, engine in engines.items():
+                    t0 = time.perf_counter()
+                    results = engine.generate(batch, params)
+                    seconds[g] += time.perf_counter() - t0
+                    tokens[g] += sum(len(r.token_ids) for r in results)
+                    drafted[g] += sum(r.stats.drafted for r in results)
+            for g in engines:
+                rates.setdefault((T, g), []).append(tokens[g] / seconds[g])
+                drafts_per_token.setdefault((T, g), []).append(drafted[g] / tokens[g])
     date = datetime.date.today().isoformat()
     machine = machine_name()
     kind = "-useless-draft" if args.useless_draft else ""
@@ -75,11 +85,12 @@ def main():
     with out.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["machine", "date", "torch", "batch", "temperature", "gamma", "tokens_per_s",
-                         "draft_step_ms", "target_ms_k1_to_9"])
+                         "drafts_per_token", "draft_step_ms", "target_ms_k1_to_9"])
         for (T, g), values in rates.items():
             rate = statistics.median(values)
-            print(f"batch {args.batch} T={T:g} gamma={g}: {rate:.1f} tok/s")
-            writer.writerow([machine, date, torch.__version__, args.batch, T, g, round(rate, 2),
+            drafts = statistics.median(drafts_per_token[(T, g)])
+            print(f"batch {args.batch} T={T:g} gamma={g}: {rate:.1f} tok/s, {drafts:.3f} drafts per token")
+            writer.writerow([machine, date, torch.__version__, args.batch, T, g, round(rate, 2), round(drafts, 4),
                              round(1e3 * costs.draft_step_s, 3), " ".join(f"{1e3 * t:.2f}" for t in costs.verify_s)])
     print(f"wrote {out}")
 

@@ -103,3 +103,21 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match=r"need logits \[B, V\] and u \[B\]"):
         sample_warped(torch.zeros(2, 5), torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.ones(2),
                       torch.zeros(2), torch.zeros(3))
+
+
+def test_cpp_takes_uniform_columns_and_batches_past_its_shared_zeros():
+    """Drafters pass u as a column of their [B, G] uniforms (not contiguous); the C++ path shares
+    one read-only tensor of zeros for the kernel's unused inputs, grown for large batches."""
+    from specengine.ops import verify as verify_module
+
+    B, V = 70, 37
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(B, V, generator=g) * 2
+    params = row_params(B, 5)
+    uniforms = torch.rand(B, 3, generator=g)
+    want = sample_warped(logits, *params, uniforms[:, 1].contiguous(), impl="reference")
+    got = sample_warped(logits, *params, uniforms[:, 1], impl="cpp")
+    assert not ((got != want) & ~near_boundary(logits, params, uniforms[:, 1])).any()
+    assert verify_module._HOST_ZEROS.numel() >= B and not verify_module._HOST_ZEROS.any()
+    with pytest.raises(ValueError, match="contiguous in the vocabulary dimension"):
+        sample_warped(logits.t().contiguous().t(), *params, uniforms[:, 1], impl="cpp")
