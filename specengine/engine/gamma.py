@@ -239,11 +239,9 @@ class GammaController:
             for e in estimates:
                 e.unanswered_probes += e.probing  # its last round probed, and gamma is back to 0
                 e.rounds_without_drafts += 1
-            def waited(interval: int) -> bool:
-                return any(e.rounds_without_drafts >= interval << min(e.unanswered_probes, self.MAX_BACKOFF)
-                           for e in estimates)
             # The interval is at least PROBE_EVERY: most rounds need not compute it.
-            probe = waited(self.PROBE_EVERY) and waited(self.probe_interval(len(estimates)))
+            probe = (self._probe_due(estimates, self.PROBE_EVERY)
+                     and self._probe_due(estimates, self.probe_interval(len(estimates))))
             gamma = int(probe)
         for e in estimates:
             if probe or gamma > 0:
@@ -253,6 +251,11 @@ class GammaController:
             e.probing = probe
             e.last_gamma = gamma
         return gamma
+
+    def _probe_due(self, estimates: Sequence[AcceptanceEstimate], interval: int) -> bool:
+        """Whether a row has waited `interval` rounds at gamma 0, doubled per unanswered probe."""
+        return any(e.rounds_without_drafts >= interval << min(e.unanswered_probes, self.MAX_BACKOFF)
+                   for e in estimates)
 
     def probe_interval(self, batch_size: int) -> int:
         """Rounds at gamma 0 between probes (one-draft rounds that re-measure alpha): PROBE_EVERY,
