@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import json
 import platform
 import statistics
 import time
@@ -121,6 +122,13 @@ def hf_decode(hf, prompt_batch, new_tokens, temperature, assistant=None) -> list
     return out[:, ids.shape[1]:].tolist()
 
 
+def median_alpha(runs: list[dict]) -> float | None:
+    """The median acceptance rate over the runs that tested drafts (None where none did: gamma="auto"
+    may decode a whole run without drafting, at batch 8 on a CPU)."""
+    alphas = [r["alpha"] for r in runs if r.get("alpha") is not None]
+    return statistics.median(alphas) if alphas else None
+
+
 def run_benchmark(options: BenchOptions) -> Path:
     """Run every configuration, print the tables, write the CSV (and the plot); returns the CSV's path."""
     from tqdm import tqdm
@@ -202,6 +210,10 @@ def run_benchmark(options: BenchOptions) -> Path:
     rows = []
     date = datetime.date.today().isoformat()
     machine = machine_name()
+    # Every run's measurements as taken (outputs aside), before anything is derived from them.
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    raw = {cfg.name: [{k: v for k, v in r.items() if k != "outputs"} for r in cfg.runs] for cfg in configs}
+    (options.out_dir / f"e2e-{date}-runs.json").write_text(json.dumps(raw, indent=1) + "\n")
 
     def rate(cfg):
         return statistics.median(r["tokens"] / r["seconds"] for r in cfg.runs)
@@ -214,7 +226,7 @@ def run_benchmark(options: BenchOptions) -> Path:
         hf_rate = rate(by_name[f"hf T={T:g} B={B}"])
         assisted = by_name.get(f"hf-assisted T={T:g} B={B}")
         base = rate(by_name[f"spec target-only T={T:g} B={B}"])
-        alpha = statistics.median(r["alpha"] for r in cfg.runs) if cfg.runs[0].get("alpha") is not None else None
+        alpha = median_alpha(cfg.runs)
         g = cfg.gamma if isinstance(cfg.gamma, int) else None
         c = costs[B].draft_step_s / costs[B].verify_s[0]
         modelled = cfg.drafter == "model" and g and alpha is not None
@@ -251,7 +263,6 @@ def run_benchmark(options: BenchOptions) -> Path:
                 if cfg.kind in ("spec", "eager") and cfg.temperature == 0 and cfg.batch == B:
                     same = all(r["outputs"] == reference for r in cfg.runs)
                     next(row for row in rows if row["config"] == cfg.name)["greedy_equals_hf"] = same
-    options.out_dir.mkdir(parents=True, exist_ok=True)
     out = options.out_dir / f"e2e-{date}.csv"
     fields = list(dict.fromkeys(k for row in rows for k in row))
     with out.open("w", newline="") as f:

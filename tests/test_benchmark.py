@@ -1,10 +1,11 @@
 """`specengine bench` (specengine/benchmark.py) end to end on the tiny text pair: every configuration
 runs, the CSV holds what the issue asks for, and greedy outputs equal Hugging Face's."""
 import csv
+import json
 
 import pytest
 
-from specengine.benchmark import BenchOptions
+from specengine.benchmark import BenchOptions, median_alpha
 from specengine.cli import main as cli_main
 
 
@@ -38,6 +39,18 @@ def test_bench_runs_every_configuration_and_checks_greedy_against_hf(text_pair, 
                 assert float(row[column]) > 0, (name, column)
     out = capsys.readouterr().out
     assert "Paper Table 3 view" in out and "n-gram (prompt lookup)" in out
+    # The runs as measured, kept beside the table
+    (raw,) = tmp_path.glob("e2e-*-runs.json")
+    runs = json.loads(raw.read_text())
+    assert set(runs) == expected and all(len(r) == 1 and r[0]["tokens"] > 0 for r in runs.values())
+
+
+def test_median_alpha_skips_runs_that_tested_no_drafts():
+    """gamma="auto" may decode a whole run without drafting (batch 8 on a CPU): that run has no
+    alpha, and the others' still give the configuration's."""
+    assert median_alpha([{"alpha": None}, {"alpha": 0.8}, {"alpha": 0.6}]) == pytest.approx(0.7)
+    assert median_alpha([{"alpha": None}, {"alpha": None}]) is None
+    assert median_alpha([{"seconds": 1.0}]) is None  # HF and eager runs record none
 
 
 def test_bench_rejects_bad_options(text_pair, tmp_path, capsys):
