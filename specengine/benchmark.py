@@ -78,6 +78,16 @@ class Config:
     runs: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class Tally:
+    """One configuration's run (one repeat), summed over its batches."""
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    stats: list = field(default_factory=list)          # DecodeStats per batch (specengine runs)
+    phases: dict[str, float] = field(default_factory=dict)
+    batch_rounds: int = 0
+
+
 def machine_name(device: torch.device | str = "cpu") -> str:
     """The GPU's name, or the CPU's architecture and the threads torch uses on it."""
     device = torch.device(device)
@@ -164,48 +174,58 @@ def run_benchmark(options: BenchOptions) -> Path:
             engines[key] = Engine(target, tokenizer, drafter, gamma=cfg.gamma or 1, time_phases=True)
         return engines[key]
 
-    def run(cfg: Config, rep: int, limit: int | None = None) -> dict:
-        chosen = prompts[: limit or len(prompts)]
-        batches = [chosen[i: i + cfg.batch] for i in range(0, len(chosen), cfg.batch)]
-        outputs, stats, phases, batch_rounds = [], [], {}, 0
+    def decode(cfg: Config, rep: int, i: int, batch: list, tally: Tally):
+        """Batch i of the prompts (cfg.batch of them) through one configuration, into its tally."""
         t0 = time.perf_counter()
-        for i, batch in enumerate(batches):
-            if cfg.kind == "hf":
-                outputs += hf_decode(hf, batch, options.new_tokens, cfg.temperature)
-            elif cfg.kind == "hf_assisted":
-                outputs += hf_decode(hf, batch, options.new_tokens, cfg.temperature, assistant=hf_draft)
-            elif cfg.kind == "eager":
-                outputs += eager_decode(target, batch, options.new_tokens, cfg.temperature, seed=rep * 1000 + i)
-            else:
-                params = [SamplingParams(max_new_tokens=options.new_tokens, temperature=cfg.temperature,
-                                         ignore_eos=True, seed=rep * 1000 + i * 10 + j) for j in range(len(batch))]
-                e = spec_engine(cfg)
-                outputs += [r.token_ids for r in e.generate(batch, params)]
-                stats.append(e.last_run_stats)
-                batch_rounds += e.last_run_rounds
-                for name, sec in e.last_run_phases.items():
-                    phases[name] = phases.get(name, 0.0) + sec
-        seconds = time.perf_counter() - t0
-        run_stats = dict(seconds=seconds, tokens=sum(len(o) for o in outputs), outputs=outputs)
+        if cfg.kind == "hf":
+            tally.outputs += hf_decode(hf, batch, options.new_tokens, cfg.temperature)
+        elif cfg.kind == "hf_assisted":
+            tally.outputs += hf_decode(hf, batch, options.new_tokens, cfg.temperature, assistant=hf_draft)
+        elif cfg.kind == "eager":
+            tally.outputs += eager_decode(target, batch, options.new_tokens, cfg.temperature, seed=rep * 1000 + i)
+        else:
+            params = [SamplingParams(max_new_tokens=options.new_tokens, temperature=cfg.temperature,
+                                     ignore_eos=True, seed=rep * 1000 + i * 10 + j) for j in range(len(batch))]
+            e = spec_engine(cfg)
+            tally.outputs += [r.token_ids for r in e.generate(batch, params)]
+            tally.stats.append(e.last_run_stats)
+            tally.batch_rounds += e.last_run_rounds
+            for name, sec in e.last_run_phases.items():
+                tally.phases[name] = tally.phases.get(name, 0.0) + sec
+        tally.seconds += time.perf_counter() - t0
+
+    def summary(tally: Tally) -> dict:
+        stats = tally.stats
+        run_stats = dict(seconds=tally.seconds, tokens=sum(len(o) for o in tally.outputs), outputs=tally.outputs)
         if stats:
             accepted = sum(s.accepted for s in stats)
             tested = accepted + sum(s.rejections for s in stats)
             run_stats.update(alpha=accepted / tested if tested else None,
                              tokens_per_call=sum(s.generated_tokens for s in stats) / sum(s.rounds for s in stats),
                              histogram=[sum(h) for h in zip(*(s.accepted_histogram for s in stats))],
-                             batch_rounds=batch_rounds, phases=phases)
+                             batch_rounds=tally.batch_rounds, phases=tally.phases)
         return run_stats
 
     # Warm-up (every configuration once, on one batch), then interleaved repeats.
     for cfg in tqdm(configs, desc="warm-up"):
-        run(cfg, rep=99, limit=cfg.batch)
+        decode(cfg, 99, 0, prompts[: cfg.batch], Tally())
     # Step costs at each benchmarked batch size: c for Theorem 3.8, and the cost of verifying k tokens.
     costs = {B: measure_costs(target, draft, max(gammas), batch_size=B) for B in options.batches}
-    with tqdm(total=options.repeats * len(configs), desc="benchmark") as bar:
+    # Interleaved batch by batch: every configuration of a batch size decodes batch i before any
+    # decodes batch i + 1, so that a slow stretch of the machine (runs of one configuration varied
+    # by up to 15% on a 2-core VM when each decoded all its prompts in turn) falls on all alike.
+    batches = {B: [prompts[i: i + B] for i in range(0, len(prompts), B)] for B in options.batches}
+    with tqdm(total=options.repeats * sum(len(batches[c.batch]) for c in configs), desc="benchmark") as bar:
         for rep in range(options.repeats):
+            tallies = {cfg.name: Tally() for cfg in configs}
+            for B in options.batches:
+                for i, batch in enumerate(batches[B]):
+                    for cfg in configs:
+                        if cfg.batch == B:
+                            decode(cfg, rep, i, batch, tallies[cfg.name])
+                            bar.update()
             for cfg in configs:
-                cfg.runs.append(run(cfg, rep))
-                bar.update()
+                cfg.runs.append(summary(tallies[cfg.name]))
 
     rows = []
     date = datetime.date.today().isoformat()
