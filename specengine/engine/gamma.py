@@ -244,10 +244,10 @@ class GammaController:
                      and self._probe_due(estimates, self.probe_interval(len(estimates))))
             gamma = int(probe)
         for e in estimates:
-            if probe or gamma > 0:
+            if gamma > 0:  # a probe or a paying draft
                 e.rounds_without_drafts = 0
-            if gamma > 0 and not probe:
-                e.unanswered_probes = 0
+                if not probe:
+                    e.unanswered_probes = 0
             e.probing = probe
             e.last_gamma = gamma
         return gamma
