@@ -1,7 +1,7 @@
 """gamma="auto" against the best fixed gammas on the shipped pair: a short, targeted run.
 
     python bench/check_auto_gamma.py [--batch 1] [--prompts 8] [--new-tokens 128] [--repeats 2] [--gammas 2 3]
-        [--temperatures 0 1] [--useless-draft]
+        [--temperatures 0 1] [--useless-draft] [--out CSV]
 
 The full comparison is bench/bench_e2e.py (every gamma, batch 1 and 8, against HF); this
 reruns only the best fixed gammas and "auto" at temperature 0 and 1, interleaved, median of the repeats,
@@ -16,6 +16,7 @@ import csv
 import datetime
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,6 +38,7 @@ def main():
     parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--useless-draft", action="store_true", help="the draft's weights redrawn at random")
+    parser.add_argument("--out", help="CSV to write (default bench/results/auto-gamma[-useless-draft]-batch<B>-<date>.csv)")
     args = parser.parse_args()
     target_dir, draft_dir = shipped_pair()
     base = Engine.from_pretrained(target_dir)
@@ -81,7 +83,7 @@ def main():
     date = datetime.date.today().isoformat()
     machine = machine_name()
     kind = "-useless-draft" if args.useless_draft else ""
-    out = RESULTS / f"auto-gamma{kind}-batch{args.batch}-{date}.csv"
+    out = Path(args.out) if args.out else RESULTS / f"auto-gamma{kind}-batch{args.batch}-{date}.csv"
     with out.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["machine", "date", "torch", "batch", "temperature", "gamma", "tokens_per_s",

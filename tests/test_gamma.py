@@ -1,12 +1,15 @@
 """Adaptive gamma: the cost model's choice, and the engine falling back to target-only decoding."""
 import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
+from specengine.engine import gamma as gamma_module
 from specengine.engine.gamma import (AcceptanceEstimate, CostModel, GammaController, expected_ops_ratio,
-                                     expected_tokens, predicted_speedup)
+                                     expected_tokens, measure_costs, predicted_speedup)
 
 from engine_util import tiny_model
 
@@ -220,6 +223,52 @@ def test_auto_gamma_measures_costs_when_none_are_given():
     for costs in controller.costs_by_batch.values():
         assert costs.draft_step_s > 0 and all(t > 0 for t in costs.verify_s)
     assert controller.costs_for(64) is controller.costs_by_batch[8]
+
+
+class _ClockedModel:
+    """Stands in for a model in measure_costs: each call advances a fake clock by its cost, and
+    by `cold_s` more when the clock's last call was another model's (weights to reload)."""
+
+    def __init__(self, clock, name: str, token_s: float, cold_s: float = 0.0, vocab: int = 5):
+        self.clock, self.name, self.token_s, self.cold_s, self.vocab = clock, name, token_s, cold_s, vocab
+        self.device = torch.device("cpu")
+
+    def new_cache(self, batch_size, capacity):
+        return SimpleNamespace(lengths=torch.zeros(batch_size, dtype=torch.int64))
+
+    def __call__(self, x, lengths, cache, kv_len):
+        self.clock.spend(self.token_s * x.shape[1] + (self.cold_s if self.clock.last != self.name else 0.0))
+        self.clock.last = self.name
+        return torch.zeros(x.shape[0], x.shape[1], 1)
+
+    def logits(self, hidden):
+        return torch.zeros(*hidden.shape[:2], self.vocab)
+
+
+class _FakeClock:
+    """perf_counter for measure_costs; calls number slow_calls run 3x slower (a slow stretch)."""
+
+    def __init__(self, slow_calls: range):
+        self.now, self.calls, self.slow_calls, self.last = 0.0, 0, slow_calls, None
+
+    def spend(self, seconds: float):
+        self.now += seconds * (3.0 if self.calls in self.slow_calls else 1.0)
+        self.calls += 1
+
+
+@pytest.mark.parametrize("slow_from", [0, 40, 70, 100])
+def test_measured_costs_are_steps_back_to_back_and_survive_a_slow_stretch(monkeypatch, slow_from):
+    """measure_costs interleaves its calls, one of each per round: a slow stretch of the machine
+    (here 12 calls at 3x, wherever it falls) spoils a round or two, not the median of one cost.
+    A draft step is timed right after another (as a round's draft steps run), not after a target
+    call, whose first draft step also reloads the draft's weights."""
+    clock = _FakeClock(range(slow_from, slow_from + 12))
+    monkeypatch.setattr(gamma_module.time, "perf_counter", lambda: clock.now)
+    target = _ClockedModel(clock, "target", token_s=0.004)
+    draft = _ClockedModel(clock, "draft", token_s=0.001, cold_s=0.002)
+    costs = measure_costs(target, draft, max_gamma=3)
+    assert costs.verify_s == pytest.approx((0.004, 0.008, 0.012, 0.016))
+    assert costs.draft_step_s == pytest.approx(0.001)
 
 
 def test_costs_between_measured_batch_sizes_are_interpolated():

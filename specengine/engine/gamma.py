@@ -278,21 +278,13 @@ class GammaController:
         return gamma if rates[gamma] >= (1 + self.DRAFT_MARGIN) * rates[0] else 0
 
 
-def median_seconds(fn, reps: int, warmup: int = 1) -> float:
-    """Median wall-clock seconds of fn() over reps calls after warmup calls, GPU work included
-    (synchronised after the warm-up and after each call when CUDA is present)."""
-    for _ in range(warmup):
-        fn()
+def _seconds(call) -> float:
+    """Wall-clock seconds of call(), its GPU work included."""
+    t0 = time.perf_counter()
+    call()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time.perf_counter() - t0
 
 
 @torch.inference_mode()
@@ -303,7 +295,8 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
     the forward, and warping and sampling its distribution (measured 15-30% of the forward on CPU).
     target_steps, draft_steps: the engine's StepGraphs when it runs fixed-shape steps; then their
     calls are timed (replayed CUDA graphs on a GPU), since that is what its rounds pay."""
-    def step_time(model, tokens: int, steps=None, then=None) -> float:
+    def step(model, tokens: int, steps=None, then=None):
+        """A call of `model` on `tokens` new tokens per row (then `then` on its last logits)."""
         if steps is not None:
             cache = steps.new_batch(batch_size)
             cache.lengths.fill_(max(0, min(context, cache.capacity - tokens)))
@@ -318,9 +311,7 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
             logits = forward(x)
             if then is not None:
                 then(logits[:, -1])
-        # Three warm-up calls: the first timings of a fresh process ran up to 1.7x slow on a 2-core
-        # CPU (batch 8, one token: 23.9 ms against 13.9 later), which made drafting look cheap.
-        return median_seconds(call, reps, warmup=3)
+        return call
 
     def sample(logits):
         rows, device = logits.shape[0], logits.device
@@ -328,5 +319,29 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
         # temperature 1, no top-k / top-p / min-p: the softmax path every sampled row takes
         sample_warped(logits, ones, zeros.long(), ones, zeros, 0.5 * ones)
 
-    verify = tuple(step_time(target, k, target_steps) for k in range(1, max_gamma + 2))
-    return CostModel(step_time(draft, 1, draft_steps, then=sample) if draft is not None else 0.0, verify)
+    target_calls = [step(target, k, target_steps) for k in range(1, max_gamma + 2)]
+    draft_call = step(draft, 1, draft_steps, then=sample) if draft is not None else None
+    calls = target_calls + ([draft_call] if draft_call else [])
+    # Three warm-up rounds: the first timings of a fresh process ran up to 1.7x slow on a 2-core
+    # CPU (batch 8, one token: 23.9 ms against 13.9 later), which made drafting look cheap.
+    for _ in range(3):
+        for call in calls:
+            call()
+    # Interleaved, one of each call per round, median over the rounds: timed one after the other
+    # (seven calls each) on a 2-core VM, the draft step came out anywhere from 0.75 to 1.09 ms and
+    # the target on 3 tokens from 6.9 to 8.0 ms from one start-up to the next, as a slow stretch
+    # fell on one of them, and gamma="auto" chose differently each time.
+    target_s: list[list[float]] = [[] for _ in target_calls]
+    draft_s: list[float] = []
+    for _ in range(reps):
+        for call, seconds in zip(target_calls, target_s):
+            seconds.append(_seconds(call))
+        if draft_call is not None:
+            # A round's draft steps run back to back. The first, right after a target call, also
+            # reloads the draft's weights into the CPU's caches (1.2-1.5 ms against 0.8-0.9 on a
+            # 2-core CPU): a cost per drafting round, which its learned overhead covers
+            # (GammaController.observe_round), not per step. So each step timed is a second one.
+            draft_call()
+            draft_s += [_seconds(draft_call) for _ in range(3)]
+    return CostModel(statistics.median(draft_s) if draft_s else 0.0,
+                     tuple(statistics.median(seconds) for seconds in target_s))
