@@ -26,6 +26,11 @@ def test_expected_tokens_and_theorem_3_8():
     assert expected_ops_ratio(0.9, 10, 0.0) == pytest.approx(1.60, abs=0.005)
 
 
+def at_alpha(alpha: float, tests: float = 10.0, **fields) -> AcceptanceEstimate:
+    """A request's estimate of exactly this alpha: `tests` drafts tested, its prior at the same alpha."""
+    return AcceptanceEstimate(accepted=alpha * tests, rejected=(1 - alpha) * tests, prior_alpha=alpha, **fields)
+
+
 def brute_force_best(costs: CostModel, alpha: float) -> int:
     rates = [expected_tokens(alpha, g) / (g * costs.draft_step_s + costs.verify_s[g]) for g in range(len(costs.verify_s))]
     return rates.index(max(rates))
@@ -54,7 +59,7 @@ def test_controller_probes_ever_more_rarely_while_the_draft_stays_useless():
     gamma is back at 0 doubles the wait, up to 2^MAX_BACKOFF times (a useless draft cost ~4% of
     decoding at batch 1 on a 2-core CPU with a probe every 16 rounds)."""
     controller = GammaController(CostModel(0.1, (1.0,) * 5))  # a probe costs 10% of a round: every 16
-    estimate = AcceptanceEstimate(accepted=0.0, rejected=50.0)
+    estimate = at_alpha(0.0, 50)
     choices = [controller.choose([estimate]) for _ in range(1200)]
     assert set(choices) == {0, 1}
     waits = [16, 32, 64, 128, 256, 256, 256]
@@ -64,7 +69,7 @@ def test_controller_probes_ever_more_rarely_while_the_draft_stays_useless():
 def test_a_probe_that_pays_ends_the_backoff():
     costs = CostModel(0.1, (1.0,) * 5)
     controller = GammaController(costs)
-    estimate = AcceptanceEstimate(accepted=0.0, rejected=50.0)
+    estimate = at_alpha(0.0, 50)
     choices = [controller.choose([estimate]) for _ in range(16 + 32 + 64)]
     assert probe_rounds(choices) == [15, 47, 111] and estimate.unanswered_probes == 2 and estimate.probing
     estimate.accepted, estimate.rejected = 50.0, 0.0  # the last probe found the draft good again
@@ -86,11 +91,11 @@ def test_probes_are_rarer_where_they_cost_more():
     interval = controller.probe_interval(8)
     assert interval == math.ceil(extra / (GammaController.PROBE_SHARE * batch8.round_seconds(0))) > 40
     assert controller.probe_interval(1) == GammaController.PROBE_EVERY
-    rows = [AcceptanceEstimate(accepted=0.0, rejected=50.0) for _ in range(8)]
+    rows = [at_alpha(0.0, 50) for _ in range(8)]
     choices = [controller.choose(rows) for _ in range(7 * interval)]
     assert probe_rounds(choices) == [interval - 1, 3 * interval - 1, 7 * interval - 1]
     # rows finish: at batch 1 the round after 16 without drafts is a probe
-    useless = AcceptanceEstimate(accepted=0.0, rejected=50.0, rounds_without_drafts=GammaController.PROBE_EVERY)
+    useless = at_alpha(0.0, 50, rounds_without_drafts=GammaController.PROBE_EVERY)
     assert controller.choose([useless]) == 1
 
 
@@ -107,22 +112,39 @@ def test_one_gamma_for_the_batch_maximises_its_tokens_per_second():
     controller = GammaController({1: CostModel(0.01, (1.0,) * 9), 8: costs})
     for alphas in ([0.95] + [0.05] * 7, [0.9] * 8, [0.0] * 8, [0.3, 0.6, 0.8, 0.2, 0.9, 0.5, 0.7, 0.4]):
         # last_gamma 8: rows already drafting long rounds (no ramp limit, see test_gamma_ramps_up)
-        estimates = [AcceptanceEstimate(accepted=100 * a, rejected=100 * (1 - a), last_gamma=8) for a in alphas]
+        estimates = [at_alpha(a, 100, last_gamma=8) for a in alphas]
         assert controller.choose(estimates) == brute_force_batch_best(costs, alphas)
     mixed = [0.95] + [0.05] * 7
     assert brute_force_batch_best(costs, mixed) < costs.best_gamma(0.95)
     # A batch of one uses the batch-1 costs.
-    assert controller.choose([AcceptanceEstimate(95, 5, last_gamma=8)]) == 8
+    assert controller.choose([at_alpha(0.95, 100, last_gamma=8)]) == 8
 
 
-def test_acceptance_estimate_tracks_recent_rounds():
-    e = AcceptanceEstimate()
+def test_acceptance_estimate_tracks_recent_rounds_shrunk_towards_its_prior():
+    e = AcceptanceEstimate(prior_alpha=0.5, prior_weight=5.0, decay=0.9)
     for _ in range(40):
         e.update(accepted=3, rejected=1)
-    assert e.alpha == pytest.approx(0.75, abs=0.02)
+    window = (1 - 0.9 ** 40) / (1 - 0.9)  # one test per round, forgotten at 0.9 a round
+    accepted, rejected = 3 * window, window
+    assert e.alpha == pytest.approx((accepted + 2.5) / (accepted + rejected + 5.0))
+    assert 0.7 < e.alpha < 0.75  # the window's 0.75, pulled towards 0.5 by five tests
     for _ in range(40):
         e.update(accepted=0, rejected=1)
-    assert e.alpha < 0.05
+    accepted, rejected = accepted * 0.9 ** 40, rejected * 0.9 ** 40 + window
+    assert e.alpha == pytest.approx((accepted + 2.5) / (accepted + rejected + 5.0))
+    assert 0.15 < e.alpha < 0.2  # the early acceptances forgotten, the prior's pull kept
+
+
+def test_acceptance_estimate_rejects_bad_fields():
+    with pytest.raises(ValueError, match="prior_alpha must be in"):
+        AcceptanceEstimate(prior_alpha=1.5)
+    with pytest.raises(ValueError, match="decay must be in"):
+        AcceptanceEstimate(decay=0.0)
+    with pytest.raises(ValueError, match="non-negative"):
+        AcceptanceEstimate(accepted=-1.0)
+    with pytest.raises(ValueError, match="needs a prior_weight or some tested drafts"):
+        AcceptanceEstimate(prior_weight=0.0)
+    assert AcceptanceEstimate(accepted=3.0, rejected=1.0, prior_weight=0.0).alpha == 0.75
 
 
 def test_auto_gamma_with_useless_draft_decodes_like_target_only():
@@ -285,7 +307,7 @@ def test_costs_between_measured_batch_sizes_are_interpolated():
     assert four.verify_s == pytest.approx((0.0076 + 1 / 5 * (0.0144 - 0.0076), 0.0144, (0.0144 + 0.0253) / 2))
     assert controller.costs_for(1) is batch1 and controller.costs_for(8) is batch8
     assert controller.costs_for(16) is batch8
-    rows = [AcceptanceEstimate(accepted=8.0, rejected=2.0) for _ in range(4)]  # alpha 0.8
+    rows = [at_alpha(0.8) for _ in range(4)]
     assert batch1.best_gamma([0.8] * 4) > 0 and controller.choose(rows) == 0
 
 
@@ -302,7 +324,7 @@ def test_round_overhead_is_learned_and_favours_longer_rounds():
     controller a per-round overhead; a fixed cost per round makes drafting more pay."""
     costs = CostModel(0.2, tuple(1.0 + 0.1 * k for k in range(9)))
     controller = GammaController(costs)
-    estimate = AcceptanceEstimate(accepted=6.0, rejected=4.0)  # alpha 0.6
+    estimate = at_alpha(0.6)
     assert controller.choose([estimate]) == costs.best_gamma(0.6) == 1
     for _ in range(60):  # every round took 1.5 s more than modelled
         controller.observe_round(1, 1, costs.round_seconds(1) + 1.5)
@@ -318,14 +340,14 @@ def test_round_overhead_is_learned_and_favours_longer_rounds():
 def test_auto_drafts_only_for_a_clear_predicted_gain():
     """A predicted gain under DRAFT_MARGIN over target-only decoding is a near-tie that noisy costs
     and estimates turn into a loss as often as a win: auto stays at gamma 0 (probes aside)."""
-    estimate = lambda: AcceptanceEstimate(accepted=7.0, rejected=3.0)  # noqa: E731  alpha 0.7
+    estimate = lambda: at_alpha(0.7)  # noqa: E731
     near_tie = CostModel(0.05, tuple(1.0 + 0.6 * k for k in range(9)))  # g=1: 1.7 tokens in 1.65 s
     assert near_tie.best_gamma(0.7) == 1
     gain = near_tie.tokens_per_second(0.7, 1) / near_tie.tokens_per_second(0.7, 0)
     assert 1.0 < gain < 1 + GammaController.DRAFT_MARGIN
     assert GammaController(near_tie).choose([estimate()]) == 0
     clear = CostModel(0.05, tuple(1.0 + 0.1 * k for k in range(9)))
-    assert GammaController(clear).choose([AcceptanceEstimate(7.0, 3.0, last_gamma=8)]) == clear.best_gamma(0.7) > 0
+    assert GammaController(clear).choose([at_alpha(0.7, last_gamma=8)]) == clear.best_gamma(0.7) > 0
 
 
 def test_gamma_ramps_up():
@@ -333,7 +355,7 @@ def test_gamma_ramps_up():
     request) gamma grows by at most RAMP_STEP a round, up to the model's best; it falls at once."""
     costs = CostModel(0.05, tuple(1.0 + 0.02 * k for k in range(9)))
     controller = GammaController(costs)
-    estimate = AcceptanceEstimate(accepted=95.0, rejected=5.0)
+    estimate = at_alpha(0.95, 100)
     assert costs.best_gamma(0.95) == 8
     assert [controller.choose([estimate]) for _ in range(5)] == [2, 4, 6, 8, 8]
     estimate.accepted, estimate.rejected = 5.0, 95.0  # the draft turns useless
@@ -345,7 +367,7 @@ def test_drafting_rounds_learn_their_own_overhead():
     with graphs ~10x a target-only round's). Learned apart from target-only rounds, that extra
     cost tips the choice back to gamma 0, where a shared estimate would keep drafting."""
     costs = CostModel(0.2, tuple(1.0 + 0.4 * k for k in range(9)))
-    estimate = AcceptanceEstimate(accepted=7.0, rejected=3.0)  # alpha 0.7
+    estimate = at_alpha(0.7)
     assert costs.best_gamma(0.7) == 1  # 1.7 tokens in 1.6 s beats 1 token in 1 s
     controller = GammaController(costs)
     for _ in range(60):
