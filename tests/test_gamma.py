@@ -121,18 +121,37 @@ def test_one_gamma_for_the_batch_maximises_its_tokens_per_second():
 
 
 def test_acceptance_estimate_tracks_recent_rounds_shrunk_towards_its_prior():
-    e = AcceptanceEstimate(prior_alpha=0.5, prior_weight=5.0, decay=0.9)
+    d = 0.9  # kept per round
+    e = AcceptanceEstimate(prior_alpha=0.5, prior_weight=5.0, decay=d)
     for _ in range(40):
         e.update(accepted=3, rejected=1)
-    window = (1 - 0.9 ** 40) / (1 - 0.9)  # one test per round, forgotten at 0.9 a round
+    window = (1 - d ** 40) / (1 - d)
     accepted, rejected = 3 * window, window
     assert e.alpha == pytest.approx((accepted + 2.5) / (accepted + rejected + 5.0))
     assert 0.7 < e.alpha < 0.75  # the window's 0.75, pulled towards 0.5 by five tests
     for _ in range(40):
         e.update(accepted=0, rejected=1)
-    accepted, rejected = accepted * 0.9 ** 40, rejected * 0.9 ** 40 + window
+    accepted, rejected = accepted * d ** 40, rejected * d ** 40 + window
     assert e.alpha == pytest.approx((accepted + 2.5) / (accepted + rejected + 5.0))
     assert 0.15 < e.alpha < 0.2  # the early acceptances forgotten, the prior's pull kept
+    # Rounds that test nothing (gamma 0): the request's evidence fades, its estimate returns to the prior.
+    for _ in range(100):
+        e.update(accepted=0, rejected=0)
+    accepted, rejected = accepted * d ** 100, rejected * d ** 100
+    assert e.alpha == pytest.approx((accepted + 2.5) / (accepted + rejected + 5.0))
+    assert e.alpha == pytest.approx(0.5, abs=0.01)
+
+
+def test_finished_requests_weigh_by_their_tests_not_their_number():
+    """At batch 8 a useful draft may only be probed: eight finished rows with two tests each must
+    not outweigh a batch-1 request's hundred (halved per request, the last row's one rejection
+    set the next requests' alpha to 0.39 where it was 0.8, and they stopped drafting)."""
+    controller = GammaController(CostModel(0.001, (0.005,) * 9))
+    controller.observe_finished(AcceptanceEstimate(), 80, 20)
+    assert controller.new_estimate().alpha == pytest.approx(0.8, abs=0.02)
+    for accepted, rejected in [(2, 0)] * 7 + [(0, 2)]:
+        controller.observe_finished(AcceptanceEstimate(), accepted, rejected)
+    assert 0.75 < controller.new_estimate().alpha < 0.85
 
 
 def test_acceptance_estimate_rejects_bad_fields():
@@ -186,8 +205,8 @@ def test_engine_flags_drafting_rounds_after_rounds_without_drafts(monkeypatch):
 
 def test_a_draft_useless_for_earlier_requests_is_never_run_for_a_short_one(monkeypatch):
     """The first requests find the draft useless; later ones start from their alpha and their
-    unanswered probes, so a request shorter than the wait for its first probe never drafts,
-    and the draft model (whose prefill gamma="auto" leaves to the first proposal) never runs."""
+    wait for the next probe, so a request that ends before it never drafts, and the draft model
+    (whose prefill gamma="auto" leaves to the first proposal) never runs."""
     V = 48
     target = tiny_model(V, seed=0, logit_scale=3.0)
     draft = tiny_model(V, seed=7, num_layers=1, hidden_size=16)
@@ -202,10 +221,16 @@ def test_a_draft_useless_for_earlier_requests_is_never_run_for_a_short_one(monke
     calls = []
     real = draft.forward
     monkeypatch.setattr(draft, "forward", lambda *args, **kw: (calls.append(1), real(*args, **kw))[1])
-    short = SamplingParams(max_new_tokens=first_probe - 1, temperature=0)
+    # The wait runs on from the last request: a request that ends before it never drafts.
+    assert 0 < start.rounds_without_drafts < first_probe - 1
+    short = SamplingParams(max_new_tokens=first_probe - start.rounds_without_drafts - 1, temperature=0)
     (result,) = engine.generate([[7, 8, 9]], short)
     assert calls == [] and result.stats.drafted == 0
     assert result.token_ids == Engine(target).generate([[7, 8, 9]], short)[0].token_ids
+    # The next request probes in its first rounds: however short requests are, the draft is
+    # re-tested after the wait (started afresh each request, 128-token requests never probed again).
+    (probed,) = engine.generate([[7, 8, 9]], SamplingParams(max_new_tokens=4, temperature=0))
+    assert calls and probed.stats.drafted == 1
     # A useful draft answers its probes: the next request probes after PROBE_EVERY rounds again.
     controller.observe_finished(AcceptanceEstimate(unanswered_probes=0), 30, 2)
     assert controller.new_estimate().unanswered_probes == 0

@@ -99,16 +99,17 @@ class CostModel:
 @dataclass
 class AcceptanceEstimate:
     """A request's alpha: its accepted / tested drafts with exponential forgetting, shrunk towards
-    prior_alpha (the finished requests') by prior_weight tests that are never forgotten. Its own
-    window holds ~25 tests at batch 1 (~10 rounds), too few to tell alpha 0.74 from 0.80: alone,
-    its noise chose gamma 1 where gamma 3 paid and left gamma="auto" 2.4% below fixed gamma 3 at
-    temperature 1 on the shipped pair (bench/simulate_auto_gamma.py); the shrunk estimate, 1.2%."""
+    prior_alpha (the finished requests') by prior_weight tests that are never forgotten, so that
+    through rounds at gamma 0 it drifts back to prior_alpha. Its own window holds ~25 tests at
+    batch 1 (~10 rounds), too few to tell alpha 0.74 from 0.80: alone, their noise chose gamma 1
+    where gamma 3 paid and left gamma="auto" 2.4% below fixed gamma 3 at temperature 1 on the
+    shipped pair (specengine.replay); shrunk, 1.2%."""
 
     accepted: float = 0.0
     rejected: float = 0.0
     prior_alpha: float = 0.5  # before any evidence
     prior_weight: float = 2.0
-    decay: float = 0.9      # per round: the last ~10 rounds dominate
+    decay: float = 0.9      # per round (update): the last ~10 rounds dominate
     rounds_without_drafts: int = 0
     last_gamma: int = 0     # the gamma of this request's last round
     unanswered_probes: int = 0  # probes since this request last drafted (each doubles its wait)
@@ -129,8 +130,14 @@ class AcceptanceEstimate:
         return (self.accepted + self.prior_weight * self.prior_alpha) / (self.accepted + self.rejected + self.prior_weight)
 
     def update(self, accepted: int, rejected: int):
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejected = self.decay * self.rejected + rejected
+        """A round's tested drafts, after forgetting a share 1 - decay of the earlier ones."""
+        self.fade(self.decay)
+        self.accepted += accepted
+        self.rejected += rejected
+
+    def fade(self, keep: float):
+        self.accepted *= keep
+        self.rejected *= keep
 
 
 class GammaController:
@@ -144,6 +151,7 @@ class GammaController:
     MAX_BACKOFF = 4  # waits of at most 16x: the draft is re-tested at least every 256 rounds
 
     PRIOR_WEIGHT = 5.0  # draft tests' worth of the finished requests' alpha in every request's estimate
+    FINISHED_KEEP = 0.99  # per finished test: the finished requests' last ~100 tests make their alpha
 
     RAMP_STEP = 2  # the most gamma grows from one round to the next
 
@@ -153,11 +161,16 @@ class GammaController:
         self.costs_by_batch = costs if isinstance(costs, dict) else {1: costs}
         if not self.costs_by_batch or len({c.max_gamma for c in self.costs_by_batch.values()}) != 1:
             raise ValueError("cost models must cover the same gammas")
-        # Acceptance over finished requests (halved per request): what every request's estimate is
-        # shrunk towards, so a new one does not spend its first rounds drafting for alpha = 0.5.
-        # Before any: alpha 0.5, worth one accepted and one rejected test, halved as the rest.
-        self.finished = AcceptanceEstimate(accepted=1.0, rejected=1.0, prior_weight=0.0, decay=0.5)
-        self.finished_unanswered_probes = 0  # the last finished request's (see observe_finished)
+        # Acceptance over the finished requests' tests (the last ~100 dominate: FINISHED_KEEP per
+        # test): what every request's estimate is shrunk towards, so a new one does not spend its
+        # first rounds drafting for alpha = 0.5. Weighed by tests, not requests: halved per request,
+        # eight rows of a batch of 8 that had only probed (two tests each) outweighed a batch-1
+        # request's hundred, and the last of them set the next requests' prior (0.39 where alpha
+        # was 0.8). Before any request: alpha 0.5, worth one accepted and one rejected test.
+        self.finished = AcceptanceEstimate(accepted=1.0, rejected=1.0, prior_weight=0.0, decay=1.0)
+        # The last finished request's unanswered probes and rounds since it drafted (observe_finished)
+        self.finished_unanswered_probes = 0
+        self.finished_rounds_without_drafts = 0
         # Per (cost model, drafting or not): the smoothed time a round took beyond its modelled
         # draft steps and target call. The fused verify step and the loop's bookkeeping cost the
         # same at any gamma (about 0.7 ms a round at batch 1 on a 2-core CPU), which favours
@@ -172,17 +185,21 @@ class GammaController:
 
     def new_estimate(self) -> AcceptanceEstimate:
         return AcceptanceEstimate(prior_alpha=self.finished.alpha, prior_weight=self.PRIOR_WEIGHT,
-                                  unanswered_probes=self.finished_unanswered_probes)
+                                  unanswered_probes=self.finished_unanswered_probes,
+                                  rounds_without_drafts=self.finished_rounds_without_drafts)
 
     def observe_finished(self, estimate: AcceptanceEstimate, accepted: int, rejections: int):
         """Fold a finished request into the start of the next ones: its accepted drafts and
-        rejections into their prior alpha, and its unanswered probes into their wait for the
-        first probe (a draft useless for the last requests is re-tested after up to 256 rounds,
-        not 16: with a probe every 16 rounds or so, a useless draft's probes and catch-ups cost
-        3-4% of decoding at batch 1 on a 2-core CPU)."""
-        if accepted + rejections:
-            self.finished.update(accepted, rejections)
+        rejections into their prior alpha, and its unanswered probes and rounds since it drafted
+        into their wait for the next probe. A draft useless for the last requests is re-tested
+        after up to 256 rounds, not 16 (with a probe every 16 rounds or so, a useless draft's
+        probes and catch-ups cost 3-4% of decoding at batch 1 on a 2-core CPU); the wait runs on
+        across requests, so requests shorter than it still reach the next probe (started afresh,
+        requests of 128 tokens never probed again, and a draft that paid again was never used)."""
+        self.finished.fade(self.FINISHED_KEEP ** (accepted + rejections))
+        self.finished.update(accepted, rejections)
         self.finished_unanswered_probes = estimate.unanswered_probes
+        self.finished_rounds_without_drafts = estimate.rounds_without_drafts
 
     @property
     def max_gamma(self) -> int:
@@ -346,7 +363,8 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
     # Interleaved, one of each call per round, median over the rounds: timed one after the other
     # (seven calls each) on a 2-core VM, the draft step came out anywhere from 0.75 to 1.09 ms and
     # the target on 3 tokens from 6.9 to 8.0 ms from one start-up to the next, as a slow stretch
-    # fell on one of them, and gamma="auto" chose differently each time.
+    # fell on one of them, and gamma="auto" chose differently each time. Interleaved, six start-ups
+    # put the target on 3 tokens at 7.0-7.3 ms.
     target_s: list[list[float]] = [[] for _ in target_calls]
     draft_s: list[float] = []
     for _ in range(reps):
@@ -356,7 +374,8 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
             # A round's draft steps run back to back. The first, right after a target call, also
             # reloads the draft's weights into the CPU's caches (1.2-1.5 ms against 0.8-0.9 on a
             # 2-core CPU): a cost per drafting round, which its learned overhead covers
-            # (GammaController.observe_round), not per step. So each step timed is a second one.
+            # (GammaController.observe_round), not per step. So the steps timed follow another
+            # (three a round: the draft step is short, and its timings the noisiest).
             draft_call()
             draft_s += [_seconds(draft_call) for _ in range(3)]
     return CostModel(statistics.median(draft_s) if draft_s else 0.0,
