@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine.gamma import CostModel, GammaController
+from .sampling.warp import warp_probs
 
 
 @torch.inference_mode()
@@ -38,10 +39,10 @@ def acceptance_along(target, draft, prompt: list[int], generated: list[int], tem
         return model.logits(hidden)[0, start: start + len(generated)].float()
     p_logits, q_logits = logits(target), logits(draft)
     vocab = min(p_logits.shape[-1], q_logits.shape[-1])  # a widened draft's extra rows are never sampled
-    p_logits, q_logits = p_logits[:, :vocab], q_logits[:, :vocab]
-    if temperature == 0:
-        return (p_logits.argmax(-1) == q_logits.argmax(-1)).float().tolist()
-    p, q = torch.softmax(p_logits / temperature, -1), torch.softmax(q_logits / temperature, -1)
+    n = len(generated)
+    # The engine's warp (at temperature 0, one-hot argmaxes: min(p, q) sums to 1 where they agree)
+    warps = (torch.full((n,), float(temperature)), torch.zeros(n, dtype=torch.int64), torch.ones(n), torch.zeros(n))
+    p, q = (warp_probs(x[:, :vocab], *(w.to(x.device) for w in warps)) for x in (p_logits, q_logits))
     return torch.minimum(p, q).sum(-1).tolist()
 
 

@@ -2,9 +2,12 @@
 import random
 
 import pytest
+import torch
 
 from specengine.engine.gamma import CostModel, expected_tokens
-from specengine.replay import replay, replay_mean
+from specengine.replay import acceptance_along, replay, replay_mean
+
+from engine_util import tiny_model
 
 # Batch-1 costs measured on the shipped pair (2-core VM, 2026-11-30): a draft step and the target
 # on 1..9 tokens; and the round overheads gamma="auto" learned there (target-only, drafting).
@@ -74,3 +77,28 @@ def test_replay_rejects_bad_input():
         replay([[1.5]], SHIPPED_COSTS, 1, seed=0)
     with pytest.raises(ValueError, match="non-empty"):
         replay([[]], SHIPPED_COSTS, 1, seed=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_acceptance_along_a_sequence_is_each_prefixs_sum_of_min_p_q(temperature):
+    """One forward per model over the whole sequence gives what each prefix alone would: the
+    oracle decodes every prefix afresh and compares the two next-token distributions."""
+    V = 40
+    target, draft = tiny_model(V, seed=0, logit_scale=3.0), tiny_model(V, seed=1, num_layers=1, logit_scale=3.0)
+    prompt, generated = [3, 1, 4], [1, 5, 9, 2, 6, 5, 3]
+    along = acceptance_along(target, draft, prompt, generated, temperature)
+    assert len(along) == len(generated)
+    for t, value in enumerate(along):
+        ids = torch.tensor([prompt + generated[:t]])
+
+        def last_logits(model):
+            cache = model.new_cache(1, ids.shape[1])
+            return model.logits(model(ids, torch.zeros(1, dtype=torch.int64), cache, kv_len=ids.shape[1]))[0, -1]
+        p, q = last_logits(target), last_logits(draft)
+        if temperature == 0:
+            assert value == float(p.argmax() == q.argmax())
+        else:
+            assert value == pytest.approx(torch.minimum(p.softmax(-1), q.softmax(-1)).sum().item(), abs=1e-5)
+    assert 0 < sum(along) < len(along)  # the two models differ somewhere, agree somewhere
+    # A draft identical to the target is always accepted.
+    assert acceptance_along(target, target, prompt, generated, temperature) == pytest.approx([1.0] * len(generated))
