@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specengine import Engine, SamplingParams
-from specengine.benchmark import machine_name
+from specengine.benchmark import machine_name, rotated
 from specengine.drafters.model import ModelDrafter
 from specengine.engine.gamma import measure_costs
 from specengine.shipped import heldout_prompts, shipped_pair
@@ -71,7 +71,8 @@ def main():
             for i, batch in enumerate(batches):
                 params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=T, ignore_eos=True,
                                          seed=100 * rep + 10 * i + j) for j in range(len(batch))]
-                for g, engine in engines.items():
+                for g in rotated(list(engines), rep * len(batches) + i):  # as bench_e2e: no fixed order
+                    engine = engines[g]
                     t0 = time.perf_counter()
                     results = engine.generate(batch, params)
                     seconds[g] += time.perf_counter() - t0

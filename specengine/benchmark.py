@@ -132,6 +132,12 @@ def hf_decode(hf, prompt_batch, new_tokens, temperature, assistant=None) -> list
     return out[:, ids.shape[1]:].tolist()
 
 
+def rotated(items: list, turn: int) -> list:
+    """items in turn order `turn`: the list started at item turn mod len(items), then wrapped."""
+    start = turn % len(items)
+    return items[start:] + items[:start]
+
+
 def median_alpha(runs: list[dict]) -> float | None:
     """The median acceptance rate over the runs that tested drafts (None where none did: gamma="auto"
     may decode a whole run without drafting, at batch 8 on a CPU)."""
@@ -214,16 +220,17 @@ def run_benchmark(options: BenchOptions) -> Path:
     # Interleaved batch by batch: every configuration of a batch size decodes batch i before any
     # decodes batch i + 1, so that a slow stretch of the machine (runs of one configuration varied
     # by up to 15% on a 2-core VM when each decoded all its prompts in turn) falls on all alike.
+    # The order of the configurations turns by one every batch, so that none always runs first.
     batches = {B: [prompts[i: i + B] for i in range(0, len(prompts), B)] for B in options.batches}
     with tqdm(total=options.repeats * sum(len(batches[c.batch]) for c in configs), desc="benchmark") as bar:
         for rep in range(options.repeats):
             tallies = {cfg.name: Tally() for cfg in configs}
             for B in options.batches:
+                at_batch = [cfg for cfg in configs if cfg.batch == B]
                 for i, batch in enumerate(batches[B]):
-                    for cfg in configs:
-                        if cfg.batch == B:
-                            decode(cfg, rep, i, batch, tallies[cfg.name])
-                            bar.update()
+                    for cfg in rotated(at_batch, rep * len(batches[B]) + i):
+                        decode(cfg, rep, i, batch, tallies[cfg.name])
+                        bar.update()
             for cfg in configs:
                 cfg.runs.append(summary(tallies[cfg.name]))
 

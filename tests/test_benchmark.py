@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from specengine.benchmark import BenchOptions, median_alpha
+from specengine.benchmark import BenchOptions, median_alpha, rotated
 from specengine.cli import main as cli_main
 
 
@@ -51,6 +51,16 @@ def test_median_alpha_skips_runs_that_tested_no_drafts():
     assert median_alpha([{"alpha": None}, {"alpha": 0.8}, {"alpha": 0.6}]) == pytest.approx(0.7)
     assert median_alpha([{"alpha": None}, {"alpha": None}]) is None
     assert median_alpha([{"seconds": 1.0}]) is None  # HF and eager runs record none
+
+
+def test_configurations_take_turns_running_first():
+    """Every batch runs every configuration once, and over as many batches as configurations
+    each runs first once: whatever running in a given place costs or saves falls on all alike."""
+    configs = ["hf", "target-only", "gamma 3", "auto"]
+    turns = [rotated(configs, turn) for turn in range(len(configs))]
+    assert all(sorted(order) == sorted(configs) for order in turns)
+    assert sorted(order[0] for order in turns) == sorted(configs)
+    assert rotated(configs, 5) == rotated(configs, 1) == ["target-only", "gamma 3", "auto", "hf"]
 
 
 def test_bench_rejects_bad_options(text_pair, tmp_path, capsys):

@@ -2,6 +2,8 @@
 against the pure-torch reference: exact given the same uniforms, greedy/one-hot, statistical,
 invariants, hostile shapes. The interpreter costs milliseconds per program, so Triton's CPU
 grids stay small; its large statistical runs are marked gpu."""
+import re
+
 import pytest
 import torch
 
@@ -212,3 +214,42 @@ def test_statistical_test_catches_planted_bugs_in_the_cpp_kernel(bug, N):
     broken, _ = _verify_cpp(*args, planted_bug=bug)
     assert chi_square_pvalue(torch.bincount(correct[:, 0], minlength=12), p) > 1e-3
     assert chi_square_pvalue(torch.bincount(broken[:, 0], minlength=12), p) < 1e-6
+
+
+
+B_BAD, G_BAD, V_BAD = 3, 2, 11
+BAD_VERIFY_ARGUMENTS = {  # a change to a valid call: the words its error must contain
+    "3-d target": (dict(target_logits=torch.zeros(B_BAD, V_BAD)), "target_logits must be [B, G+1, V]"),
+    "int target": (dict(target_logits=torch.zeros(B_BAD, G_BAD + 1, V_BAD, dtype=torch.int64)),
+                   "logits dtype torch.int64 is not supported"),
+    "strided target": (dict(target_logits=torch.zeros(B_BAD, G_BAD + 1, 2 * V_BAD)[..., ::2]),
+                       "target_logits must be contiguous"),
+    "draft shape": (dict(draft_logits=torch.zeros(B_BAD, G_BAD + 1, V_BAD)), "draft_logits must be [3, 2, 11]"),
+    "draft dtype": (dict(draft_logits=torch.zeros(B_BAD, G_BAD, V_BAD, dtype=torch.float16)), "must share a dtype"),
+    "tokens shape": (dict(draft_tokens=torch.zeros(B_BAD, G_BAD + 1, dtype=torch.int64)), "draft_tokens must be [3, 2]"),
+    "counts dtype": (dict(num_drafts=torch.zeros(B_BAD, dtype=torch.int32)), "num_drafts must be torch.int64"),
+    "temperature rows": (dict(temperature=torch.zeros(B_BAD + 1)), "temperature must be [3]"),
+    "strided seeds": (dict(seeds=torch.zeros(2 * B_BAD, dtype=torch.int64)[::2]), "seeds must be contiguous"),
+    "one uniform": (dict(u_accept=torch.rand(B_BAD, G_BAD + 1)), "pass both u_accept and u_sample"),
+    "uniform shape": (dict(u_accept=torch.rand(B_BAD, G_BAD), u_sample=torch.rand(B_BAD, G_BAD)),
+                      "u_accept must be [3, 3]"),
+    "draft lengths alone": (dict(draft_lengths=torch.zeros(B_BAD, dtype=torch.int64)), "draft_lengths needs target"),
+    "impl": (dict(impl="cuda"), "impl must be one of"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VERIFY_ARGUMENTS)
+def test_bad_arguments_are_named(case):
+    """The host wrapper validates before any kernel runs (kernels never check): a bad argument
+    raises a ValueError naming it, where the same call with valid arguments passes."""
+    B, G, V = B_BAD, G_BAD, V_BAD
+    zeros = torch.zeros(B, dtype=torch.int64)
+    valid = dict(target_logits=torch.randn(B, G + 1, V), draft_logits=torch.randn(B, G, V),
+                 draft_tokens=torch.zeros(B, G, dtype=torch.int64), num_drafts=torch.full((B,), G),
+                 temperature=torch.ones(B), top_k=zeros, top_p=torch.ones(B), min_p=torch.zeros(B), seeds=zeros,
+                 positions=zeros, impl="cpp")
+    emitted, counts = verify(**valid)
+    assert emitted.shape == (B, G + 1) and counts.shape == (B,)
+    change, words = BAD_VERIFY_ARGUMENTS[case]
+    with pytest.raises(ValueError, match=re.escape("verify: ") + ".*" + re.escape(words)):
+        verify(**{**valid, **change})
