@@ -137,3 +137,30 @@ def test_whole_layer_weights_follow_replaced_and_cast_parameters(checkpoint):
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
     assert model.whole_layer_weights() is None  # float32 matrices: the per-op path
     torch.testing.assert_close(logits(model), logits(fresh), atol=2e-5, rtol=0)
+
+
+def test_rotary_table_rows_equal_computed_rotary(checkpoint):
+    """On a CPU, rope_at reads cos/sin from a table (rope_cos_sin over positions 0..n-1) that
+    grows with the limit and follows the model's dtype: every row must equal rope_cos_sin at that
+    position, up to the limit and after a cast, and a forward whose padding starts at the
+    cache's capacity (CUDA-graph buckets do) must find its positions in the table."""
+    from specengine.layers.rotary import rope_cos_sin
+
+    model = load_model(checkpoint("llama3-rope-gqa"))
+    for limit in (5, 300, 1000):  # 256 rows, then grown twice
+        positions = torch.tensor([[0, 1, limit - 1], [limit // 2, limit - 2, 3]])
+        cos, sin = model.rope_at(positions, limit)
+        assert model._rope_table[0].shape[0] >= limit
+        want_cos, want_sin = rope_cos_sin(model._inv_freq, positions, model.dtype)
+        torch.testing.assert_close(cos, want_cos, atol=1e-6, rtol=0)
+        torch.testing.assert_close(sin, want_sin, atol=1e-6, rtol=0)
+    model.to(torch.bfloat16)
+    cos, _ = model.rope_at(torch.tensor([[7]]), 8)
+    assert cos.dtype == torch.bfloat16
+    assert torch.equal(cos, rope_cos_sin(model._inv_freq, torch.tensor([[7]]), torch.bfloat16)[0])
+    fresh = load_model(checkpoint("llama3-rope-gqa"))
+    cache = fresh.new_cache(2, 512)  # a table of the capacity's 512 rows would miss 512..514
+    cache.lengths.copy_(torch.tensor([4, 512]))  # row 1: padding at the spill slot
+    with torch.no_grad():
+        hidden = fresh(torch.tensor([[5, 6, 7], [0, 0, 0]]), cache.lengths.clone(), cache, kv_len=512)
+    assert hidden.shape[:2] == (2, 3) and torch.isfinite(hidden[0]).all()
