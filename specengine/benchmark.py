@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from . import __version__
 from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .engine import Engine
@@ -148,6 +149,7 @@ def median_alpha(runs: list[dict]) -> float | None:
 def run_benchmark(options: BenchOptions) -> Path:
     """Run every configuration, print the tables, write the CSV (and the plot); returns the CSV's path."""
     from tqdm import tqdm
+    import transformers
     from transformers import AutoModelForCausalLM
 
     engine = Engine.from_pretrained(options.target)
@@ -237,6 +239,10 @@ def run_benchmark(options: BenchOptions) -> Path:
     rows = []
     date = datetime.date.today().isoformat()
     machine = machine_name()
+    # Every row says what measured it: the HF baselines depend on transformers' version as much
+    # as ours on torch's.
+    versions = dict(torch=torch.__version__, transformers=transformers.__version__, specengine=__version__,
+                    python=platform.python_version())
     # Every run's measurements as taken (outputs aside), before anything is derived from them.
     options.out_dir.mkdir(parents=True, exist_ok=True)
     raw = {cfg.name: [{k: v for k, v in r.items() if k != "outputs"} for r in cfg.runs] for cfg in configs}
@@ -266,7 +272,7 @@ def run_benchmark(options: BenchOptions) -> Path:
                            **{f"{k}_ms_per_round": round(1e3 * ph[k] / run_["batch_rounds"], 2)
                               for k in ("draft", "verify", "accept", "host")},
                            prefill_share=round(ph["prefill"] / ph["total"], 3))
-        row = dict(machine=machine, date=date, torch=torch.__version__, config=cfg.name, kind=cfg.kind, batch=B,
+        row = dict(machine=machine, date=date, **versions, config=cfg.name, kind=cfg.kind, batch=B,
                    temperature=T, gamma=cfg.gamma, drafter=cfg.drafter or "", tokens_per_s=round(rate(cfg), 2),
                    vs_hf=round(rate(cfg) / hf_rate, 3),
                    vs_hf_assisted=round(rate(cfg) / rate(assisted), 3) if assisted else "n/a (HF assisted: batch 1 only)",

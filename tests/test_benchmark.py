@@ -4,7 +4,10 @@ import csv
 import json
 
 import pytest
+import torch
+import transformers
 
+import specengine
 from specengine.benchmark import BenchOptions, median_alpha, rotated
 from specengine.cli import main as cli_main
 
@@ -26,6 +29,9 @@ def test_bench_runs_every_configuration_and_checks_greedy_against_hf(text_pair, 
         expected.add(f"hf-assisted T={T} B=1")
     assert set(rows) == expected
     assert all(float(row["tokens_per_s"]) > 0 for row in rows.values())
+    # What measured it, on every row
+    assert all(row["torch"] == torch.__version__ and row["transformers"] == transformers.__version__
+               and row["specengine"] == specengine.__version__ and row["python"] for row in rows.values())
     # HF assisted generation cannot batch: the table says so instead of dropping the ratio.
     assert rows["spec draft gamma=1 T=0 B=2"]["vs_hf_assisted"].startswith("n/a")
     assert float(rows["spec draft gamma=1 T=0 B=1"]["vs_hf_assisted"]) > 0
