@@ -7,8 +7,9 @@ and the target verifies g + 1 positions of every row, so one g serves the whole 
 gamma="auto" picks, each round, the g that maximises the batch's expected tokens per second,
 from costs measured on this machine at that batch size (verifying k tokens is not free on a
 CPU) and a smoothed estimate of alpha per request. g = 0 is plain target-only decoding, so a
-useless draft can never make decoding slower than no draft (beyond the occasional probe that
-keeps the estimates of alpha alive).
+useless draft costs only the occasional probe that keeps the estimates of alpha alive, and the
+decision itself. On a 2-core CPU at batch 1 they took ~50 us and ~45 us of a ~5.8 ms round: with
+a useless draft, auto decoded 1.8-2.7% below target-only decoding (see the README).
 """
 from __future__ import annotations
 
