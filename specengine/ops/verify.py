@@ -10,6 +10,8 @@ same tokens, except where a uniform lies within float rounding of a decision bou
 """
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 
 from ..sampling.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniforms
@@ -19,7 +21,7 @@ IMPLEMENTATIONS = ("auto", "cpp", "triton", "reference")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _fail(message: str):
+def _fail(message: str) -> NoReturn:
     raise ValueError(f"verify: {message}")
 
 
