@@ -154,6 +154,27 @@ def test_finished_requests_weigh_by_their_tests_not_their_number():
     assert 0.75 < controller.new_estimate().alpha < 0.85
 
 
+def test_the_wait_for_a_probe_runs_on_per_batch_size():
+    """Batch-1 requests for which drafting pays must not restart the wait of the batch-8
+    requests for which it does not (one shared wait had a batch of 8 probe, and feed the draft
+    model what its 8 rows had missed, in every batch between batch-1 requests); the finished
+    requests' alpha stays shared (the pair's, whatever the batch)."""
+    cheap, dear = CostModel(0.001, (0.005,) * 9), CostModel(0.002, tuple(0.013 * k for k in range(1, 10)))
+    controller = GammaController({1: cheap, 8: dear})
+    assert controller.new_estimate(8).batch_key == 8 and controller.new_estimate(5).batch_key == 1
+    row = controller.new_estimate(8)
+    row.unanswered_probes, row.rounds_without_drafts = 3, 40
+    controller.observe_finished(row, 2, 0)
+    single = controller.new_estimate(1)
+    assert (single.unanswered_probes, single.rounds_without_drafts) == (0, 0)
+    controller.observe_finished(single, 60, 20)  # it drafted: no unanswered probes
+    after = controller.new_estimate(8)
+    assert (after.unanswered_probes, after.rounds_without_drafts) == (3, 40)
+    assert controller.new_estimate(8).prior_alpha == controller.new_estimate(1).prior_alpha < 1
+    with pytest.raises(ValueError, match="batch_key must be"):
+        AcceptanceEstimate(batch_key=0)
+
+
 def test_acceptance_estimate_rejects_bad_fields():
     with pytest.raises(ValueError, match="prior_alpha must be in"):
         AcceptanceEstimate(prior_alpha=1.5)

@@ -262,7 +262,7 @@ class Engine:
             r.stats.target_calls += len(r.prompt_token_ids) > 1
         if self.gamma_controller is not None:
             for r in requests:
-                r.acceptance = self.gamma_controller.new_estimate()
+                r.acceptance = self.gamma_controller.new_estimate(len(requests))
         active = list(requests)
         sampling = SamplingBatch.from_params([r.params for r in active], [r.seed for r in active], device)
 

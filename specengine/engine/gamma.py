@@ -115,6 +115,7 @@ class AcceptanceEstimate:
     last_gamma: int = 0     # the gamma of this request's last round
     unanswered_probes: int = 0  # probes since this request last drafted (each doubles its wait)
     probing: bool = False       # its last round was a probe
+    batch_key: int = 1          # the measured batch size whose wait for a probe it continues
 
     def __post_init__(self):
         if not 0.0 <= self.prior_alpha <= 1.0:
@@ -125,6 +126,8 @@ class AcceptanceEstimate:
             raise ValueError("an estimate needs a prior_weight or some tested drafts")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if self.batch_key < 1:
+            raise ValueError(f"batch_key must be a batch size >= 1, got {self.batch_key}")
 
     @property
     def alpha(self) -> float:
@@ -169,9 +172,9 @@ class GammaController:
         # request's hundred, and the last of them set the next requests' prior (0.39 where alpha
         # was 0.8). Before any request: alpha 0.5, worth one accepted and one rejected test.
         self.finished = AcceptanceEstimate(accepted=1.0, rejected=1.0, prior_weight=0.0, decay=1.0)
-        # The last finished request's unanswered probes and rounds since it drafted (observe_finished)
-        self.finished_unanswered_probes = 0
-        self.finished_rounds_without_drafts = 0
+        # Per measured batch size (see _batch_key): the last finished request's unanswered probes
+        # and rounds since it drafted, where the next requests of that size take up the wait.
+        self.finished_wait: dict[int, tuple[int, int]] = {}
         # Per (cost model, drafting or not): the smoothed time a round took beyond its modelled
         # draft steps and target call. The fused verify step and the loop's bookkeeping cost the
         # same at any gamma (about 0.7 ms a round at batch 1 on a 2-core CPU), which favours
@@ -184,23 +187,28 @@ class GammaController:
         self._costs_at: dict[int, CostModel] = {}  # see costs_for
         self._key_at: dict[int, int] = {}  # see _batch_key
 
-    def new_estimate(self) -> AcceptanceEstimate:
+    def new_estimate(self, batch_size: int = 1) -> AcceptanceEstimate:
+        """The estimate of a request that starts in a batch of this many rows."""
+        key = self._batch_key(batch_size)
+        unanswered, rounds = self.finished_wait.get(key, (0, 0))
         return AcceptanceEstimate(prior_alpha=self.finished.alpha, prior_weight=self.PRIOR_WEIGHT,
-                                  unanswered_probes=self.finished_unanswered_probes,
-                                  rounds_without_drafts=self.finished_rounds_without_drafts)
+                                  unanswered_probes=unanswered, rounds_without_drafts=rounds, batch_key=key)
 
     def observe_finished(self, estimate: AcceptanceEstimate, accepted: int, rejections: int):
         """Fold a finished request into the start of the next ones: its accepted drafts and
         rejections into their prior alpha, and its unanswered probes and rounds since it drafted
-        into their wait for the next probe. A draft useless for the last requests is re-tested
-        after up to 256 rounds, not 16 (with a probe every 16 rounds or so, a useless draft's
-        probes and catch-ups cost 3-4% of decoding at batch 1 on a 2-core CPU); the wait runs on
-        across requests, so requests shorter than it still reach the next probe (started afresh,
-        requests of 128 tokens never probed again, and a draft that paid again was never used)."""
+        into the wait for the next probe of requests in batches of its size. A draft useless for
+        the last requests is re-tested after up to 256 rounds, not 16 (with a probe every 16
+        rounds or so, a useless draft's probes and catch-ups cost 3-4% of decoding at batch 1 on a
+        2-core CPU); the wait runs on across requests, so requests shorter than it still reach the
+        next probe (started afresh, requests of 128 tokens never probed again, and a draft that paid
+        again was never used). Waits are kept per batch size: where drafting pays at batch 1 and
+        not at batch 8 (a CPU), batch-1 requests that drafted restarted the wait of the batch-8
+        requests after them, whose probes then came every ~50 rounds, each feeding the draft model
+        what 8 rows had missed (~3% of decoding at batch 8 in the e2e run of 2026-11-30 08:37)."""
         self.finished.fade(self.FINISHED_KEEP ** (accepted + rejections))
         self.finished.update(accepted, rejections)
-        self.finished_unanswered_probes = estimate.unanswered_probes
-        self.finished_rounds_without_drafts = estimate.rounds_without_drafts
+        self.finished_wait[estimate.batch_key] = (estimate.unanswered_probes, estimate.rounds_without_drafts)
 
     @property
     def max_gamma(self) -> int:
