@@ -157,8 +157,9 @@ def test_finished_requests_weigh_by_their_tests_not_their_number():
 def test_the_wait_for_a_probe_runs_on_per_batch_size():
     """Batch-1 requests for which drafting pays must not restart the wait of the batch-8
     requests for which it does not (one shared wait had a batch of 8 probe, and feed the draft
-    model what its 8 rows had missed, in every batch between batch-1 requests); the finished
-    requests' alpha stays shared (the pair's, whatever the batch)."""
+    model what its 8 rows had missed, in every batch between batch-1 requests), nor must a batch's
+    last rows running alone; the finished requests' alpha stays shared (the pair's, whatever the
+    batch)."""
     cheap, dear = CostModel(0.001, (0.005,) * 9), CostModel(0.002, tuple(0.013 * k for k in range(1, 10)))
     controller = GammaController({1: cheap, 8: dear})
     assert controller.new_estimate(8).batch_key == 8 and controller.new_estimate(5).batch_key == 1
@@ -171,6 +172,13 @@ def test_the_wait_for_a_probe_runs_on_per_batch_size():
     after = controller.new_estimate(8)
     assert (after.unanswered_probes, after.rounds_without_drafts) == (3, 40)
     assert controller.new_estimate(8).prior_alpha == controller.new_estimate(1).prior_alpha < 1
+    # A row of a batch of 8 that runs its last rounds alone (the others finished first) leaves
+    # the wait of batch 1, where it drafted: not a restart of batch 8's.
+    straggler = controller.new_estimate(8)
+    straggler.accepted, straggler.unanswered_probes = 50.0, 3
+    assert controller.choose([straggler]) > 0 and straggler.batch_key == 1
+    controller.observe_finished(straggler, 50, 0)
+    assert controller.finished_wait[8] == (3, 40) and controller.finished_wait[1] == (0, 0)
     with pytest.raises(ValueError, match="batch_key must be"):
         AcceptanceEstimate(batch_key=0)
 

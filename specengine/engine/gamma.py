@@ -115,7 +115,7 @@ class AcceptanceEstimate:
     last_gamma: int = 0     # the gamma of this request's last round
     unanswered_probes: int = 0  # probes since this request last drafted (each doubles its wait)
     probing: bool = False       # its last round was a probe
-    batch_key: int = 1          # the measured batch size whose wait for a probe it continues
+    batch_key: int = 1          # the measured batch size of its last round: the wait it leaves
 
     def __post_init__(self):
         if not 0.0 <= self.prior_alpha <= 1.0:
@@ -202,8 +202,9 @@ class GammaController:
         rounds or so, a useless draft's probes and catch-ups cost 3-4% of decoding at batch 1 on a
         2-core CPU); the wait runs on across requests, so requests shorter than it still reach the
         next probe (started afresh, requests of 128 tokens never probed again, and a draft that paid
-        again was never used). Waits are kept per batch size: where drafting pays at batch 1 and
-        not at batch 8 (a CPU), batch-1 requests that drafted restarted the wait of the batch-8
+        again was never used). Waits are kept per batch size, the one of the request's last round:
+        where drafting pays at batch 1 and not at batch 8 (a CPU), batch-1 requests that drafted,
+        and the last rows of a batch of 8 drafting when alone, restarted the wait of the batch-8
         requests after them, whose probes then came every ~50 rounds, each feeding the draft model
         what 8 rows had missed (~3% of decoding at batch 8 in the e2e run of 2026-11-30 08:37)."""
         self.finished.fade(self.FINISHED_KEEP ** (accepted + rejections))
@@ -285,6 +286,7 @@ class GammaController:
             probe = (self._probe_due(estimates, self.PROBE_EVERY)
                      and self._probe_due(estimates, self.probe_interval(len(estimates))))
             gamma = int(probe)
+        key = self._batch_key(len(estimates))
         for e in estimates:
             if gamma > 0:  # a probe or a paying draft
                 e.rounds_without_drafts = 0
@@ -292,6 +294,7 @@ class GammaController:
                     e.unanswered_probes = 0
             e.probing = probe
             e.last_gamma = gamma
+            e.batch_key = key
         return gamma
 
     def _probe_due(self, estimates: Sequence[AcceptanceEstimate], interval: int) -> bool:
