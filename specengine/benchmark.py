@@ -6,8 +6,13 @@ Every configuration runs in one process after a warm-up; the repeats are interle
     (assisted generation cannot batch: batch 1 only, said so in the table);
   - an eager PyTorch loop over our model and its KV cache (the design's baseline);
   - specengine target-only, with the draft model at each fixed gamma and gamma="auto", and with
-    the n-gram (prompt lookup) drafter.
-Prompts are cut from the shipped pair's held-out files (with the pair's tokenizer). Per
+    the n-gram (prompt lookup) drafter;
+  - llama.cpp (llama-cpp-python, when installed and the target's GGUF file is known) at batch 1:
+    target-only on the GGUF file as it is and on the same weights in bfloat16 (what specengine
+    holds them in), and its own speculative decoding (prompt lookup, the one its Python API has).
+Prompts: for a target with a chat template, held-out chat requests (specengine.corpus, a split
+no shipped model trained on) through the template; else code cut from the pycode pair's
+held-out files. Per
 configuration: tokens/s, ratios to HF and HF assisted, alpha, tokens per target call, c, the
 speedup over specengine target-only (the paper's baseline) next to Theorem 3.8's prediction,
 the extra arithmetic (the paper's Table 1 "ops"), where a round's time goes, and whether greedy
@@ -34,6 +39,7 @@ from .drafters.ngram import NgramDrafter
 from .engine import Engine
 from .engine.gamma import expected_ops_ratio, measure_costs, predicted_speedup
 from .sampling.params import SamplingParams
+from .corpus import heldout_chat_prompts
 from .shipped import heldout_prompts
 
 NGRAM_GAMMA = 4  # the n-gram drafter's gamma, and the gamma of the paper's Table 3 view
@@ -51,6 +57,7 @@ class BenchOptions:
     batches: tuple[int, ...] = (1, 8)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     plot: bool = True
+    gguf: Path | None = None  # the target's GGUF file, for llama.cpp (run when llama-cpp-python is installed)
 
     def __post_init__(self):
         self.target, self.draft, self.out_dir = Path(self.target), Path(self.draft), Path(self.out_dir)
@@ -66,16 +73,20 @@ class BenchOptions:
         for name in ("target", "draft"):
             if not getattr(self, name).is_dir():
                 raise FileNotFoundError(f"bench: {name} folder {getattr(self, name)} does not exist")
+        if self.gguf is not None:
+            self.gguf = Path(self.gguf)
+            if not self.gguf.is_file():
+                raise FileNotFoundError(f"bench: GGUF file {self.gguf} does not exist")
 
 
 @dataclass
 class Config:
     name: str
-    kind: str                 # hf, hf_assisted, eager, spec
+    kind: str                 # hf, hf_assisted, eager, spec, llamacpp
     batch: int
     temperature: float
     gamma: int | str = 0      # spec only: 0 = target-only
-    drafter: str | None = None
+    drafter: str | None = None  # spec: model / ngram; llamacpp: the weights (gguf, bf16) and lookup
     runs: list[dict] = field(default_factory=list)
 
 
@@ -133,6 +144,39 @@ def hf_decode(hf, prompt_batch, new_tokens, temperature, assistant=None) -> list
     return out[:, ids.shape[1]:].tolist()
 
 
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on one GGUF file, decoding token ids at batch 1."""
+
+    def __init__(self, path: Path, n_ctx: int, lookup: bool = False):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=NGRAM_GAMMA) if lookup else None
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
+                         n_threads_batch=torch.get_num_threads(), draft_model=draft, verbose=False, seed=0)
+
+    def decode(self, prompt_batch: list[list[int]], new_tokens: int, temperature: float) -> list[list[int]]:
+        outputs = []
+        for prompt in prompt_batch:
+            self.llm.reset()
+            # Every warp off but the temperature, and no repetition penalty: the plain distribution.
+            tokens = self.llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                                       repeat_penalty=1.0, reset=True)
+            out = []
+            for token in tokens:  # EOS is one more token here: we stop at new_tokens, as ignore_eos
+                out.append(token)
+                if len(out) == new_tokens:
+                    break
+            outputs.append(out)
+        return outputs
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 def rotated(items: list, turn: int) -> list:
     """items in turn order `turn`: the list started at item turn mod len(items), then wrapped."""
     start = turn % len(items)
@@ -158,8 +202,24 @@ def run_benchmark(options: BenchOptions) -> Path:
     V = target.config.vocab_size
     hf = AutoModelForCausalLM.from_pretrained(options.target, dtype=torch.float32).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(options.draft, dtype=torch.float32).eval()
-    prompts = heldout_prompts(tokenizer, options.prompts, length=64, start_fraction=1 / 3)
+    if getattr(tokenizer, "chat_template", None):
+        prompts = heldout_chat_prompts(tokenizer, options.prompts, max_tokens=256)
+    else:
+        prompts = heldout_prompts(tokenizer, options.prompts, length=64, start_fraction=1 / 3)
     gammas = list(options.gammas)
+    peers = {}
+    if options.gguf is not None and llama_cpp_available():
+        from .models.gguf import requantize_gguf
+
+        n_ctx = max(len(p) for p in prompts) + options.new_tokens + 8
+        bf16 = options.out_dir / f"{options.gguf.stem}.bf16.gguf"
+        if not bf16.is_file():
+            options.out_dir.mkdir(parents=True, exist_ok=True)
+            requantize_gguf(options.gguf, bf16, "BF16")
+        peers = {"gguf": LlamaCpp(options.gguf, n_ctx), "bf16": LlamaCpp(bf16, n_ctx),
+                 "bf16-lookup": LlamaCpp(bf16, n_ctx, lookup=True)}
+    elif options.gguf is not None:
+        print("llama-cpp-python is not installed: no llama.cpp rows (pip install 'specengine[llamacpp]')")
 
     configs: list[Config] = []
     for T in options.temperatures:
@@ -172,6 +232,9 @@ def run_benchmark(options: BenchOptions) -> Path:
             for g in gammas + ["auto"]:
                 configs.append(Config(f"spec draft gamma={g} T={T:g} B={B}", "spec", B, T, g, "model"))
             configs.append(Config(f"spec ngram gamma={NGRAM_GAMMA} T={T:g} B={B}", "spec", B, T, NGRAM_GAMMA, "ngram"))
+            if B == 1:
+                for weights in peers:
+                    configs.append(Config(f"llama.cpp {weights} T={T:g} B={B}", "llamacpp", B, T, drafter=weights))
 
     engines = {}
 
@@ -189,6 +252,8 @@ def run_benchmark(options: BenchOptions) -> Path:
             tally.outputs += hf_decode(hf, batch, options.new_tokens, cfg.temperature)
         elif cfg.kind == "hf_assisted":
             tally.outputs += hf_decode(hf, batch, options.new_tokens, cfg.temperature, assistant=hf_draft)
+        elif cfg.kind == "llamacpp":
+            tally.outputs += peers[cfg.drafter].decode(batch, options.new_tokens, cfg.temperature)
         elif cfg.kind == "eager":
             tally.outputs += eager_decode(target, batch, options.new_tokens, cfg.temperature, seed=rep * 1000 + i)
         else:
@@ -276,6 +341,8 @@ def run_benchmark(options: BenchOptions) -> Path:
                    temperature=T, gamma=cfg.gamma, drafter=cfg.drafter or "", tokens_per_s=round(rate(cfg), 2),
                    vs_hf=round(rate(cfg) / hf_rate, 3),
                    vs_hf_assisted=round(rate(cfg) / rate(assisted), 3) if assisted else "n/a (HF assisted: batch 1 only)",
+                   vs_llamacpp_bf16=round(rate(cfg) / rate(by_name[f"llama.cpp bf16 T={T:g} B=1"]), 3)
+                   if peers and B == 1 else "",
                    alpha=round(alpha, 4) if alpha is not None else "",
                    tokens_per_target_call=round(statistics.median(r["tokens_per_call"] for r in cfg.runs), 3)
                    if "tokens_per_call" in cfg.runs[0] else "",
@@ -293,7 +360,7 @@ def run_benchmark(options: BenchOptions) -> Path:
         for B in options.batches:
             reference = by_name[f"hf T=0 B={B}"].runs[0]["outputs"]
             for cfg in configs:
-                if cfg.kind in ("spec", "eager") and cfg.temperature == 0 and cfg.batch == B:
+                if cfg.kind in ("spec", "eager", "llamacpp") and cfg.temperature == 0 and cfg.batch == B:
                     same = all(r["outputs"] == reference for r in cfg.runs)
                     next(row for row in rows if row["config"] == cfg.name)["greedy_equals_hf"] = same
     out = options.out_dir / f"e2e-{date}.csv"

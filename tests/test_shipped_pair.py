@@ -4,7 +4,6 @@ import json
 import pytest
 import torch
 
-from specengine.cli import main as cli_main
 from specengine.models import load_model
 from specengine.shipped import DRAFT_DIR, TARGET_DIR, heldout_texts, shipped_pair
 from specengine.tokenizer import check_same_vocabulary, load_tokenizer
@@ -52,11 +51,3 @@ def test_models_beat_a_unigram_model_of_the_heldout_files():
     draft = json.loads((DRAFT_DIR / "training.json").read_text())
     assert target["parameters"] > 5 * draft["parameters"]
     assert target["heldout_loss"] < draft["heldout_loss"] < unigram_loss
-
-
-def test_cli_without_model_arguments_uses_the_pair(capsys):
-    assert cli_main(["generate", "--prompt", "def fibonacci(n):", "--temperature", "0", "--max-new-tokens", "24",
-                     "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["text"].strip() and out["text"].isascii()
-    assert out["stats"]["draft_calls"] > 0

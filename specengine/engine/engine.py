@@ -31,7 +31,7 @@ from .runner import feed, to_device
 
 log = logging.getLogger("specengine")
 
-Prompt = str | Sequence[int]
+Prompt = str | bytes | Sequence[int]
 
 
 class Engine:
@@ -185,10 +185,35 @@ class Engine:
                 yield text[sent:end]
                 sent = end
 
+    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of chat messages ({"role", "content"} dicts) through the tokenizer's chat
+        template, ending where the assistant's answer starts. Ids, not text: a template's text
+        tokenized again could gain a second BOS."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat needs a tokenizer with a chat template; this model's has none")
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
+                                   for m in messages):
+            raise ValueError("chat messages must be a non-empty list of {'role': ..., 'content': str} dicts")
+        for m in messages:
+            self._encode(m["content"]) if m["content"] else None  # the same text checks as a prompt
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return list(ids)
+
     # ---- requests ---------------------------------------------------------------------------
 
     def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, (bytes, bytearray)):
+            try:
+                prompt = prompt.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"prompt is not valid UTF-8: byte {e.start} ({prompt[e.start:e.start + 1]!r})") from None
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # lone surrogates, e.g. undecodable bytes from argv
+                raise ValueError(f"prompt is not valid UTF-8: character {e.start} is "
+                                 f"{prompt[e.start]!r}, not text") from None
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
             if not prompt:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .config import ModelConfig
@@ -93,42 +93,62 @@ def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: str
     return model
 
 
-def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                weight_dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
-    """dtype: the compute dtype (None: float32 on CPU, the checkpoint's on GPU).
+    """A Hugging Face checkpoint folder, or a GGUF file (models.gguf; its weights dequantized
+    and held as a bfloat16 checkpoint's would be).
+    dtype: the compute dtype (None: float32 on CPU, the checkpoint's on GPU).
     weight_dtype: the matrices' storage dtype (None: see resolve_weight_dtype)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    cfg = ModelConfig.from_folder(folder)
-    device = torch.device(device)
-    model = empty_model(cfg, device, dtype, weight_dtype)
-    files = weight_files(folder)
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        from .gguf import gguf_config, gguf_tensors, open_gguf
 
+        reader = open_gguf(path)
+        raw = gguf_config(reader, path)
+        cfg = ModelConfig.from_dict(raw)
+        tensors = ((name, torch.from_numpy(array)) for name, array in gguf_tensors(reader, raw, path))
+        return fill_model(empty_model(cfg, device, dtype, weight_dtype), tensors, path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+    cfg = ModelConfig.from_folder(path)
+    model = empty_model(cfg, device, dtype, weight_dtype)
+    return fill_model(model, safetensors_tensors(path), path)
+
+
+def safetensors_tensors(folder: Path):
+    """(name, tensor) for every weight of a checkpoint folder's safetensors files."""
+    for file in weight_files(folder):
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if not name.endswith(_IGNORED_SUFFIXES):
+                        yield name, f.get_tensor(name)
+        except SafetensorError as e:  # a truncated or corrupt file: header or data out of bounds
+            raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+def fill_model(model: LlamaForCausalLM, tensors, source: Path) -> LlamaForCausalLM:
+    """Copy (name, tensor) pairs into `model` by checkpoint name; every weight exactly once."""
+    cfg = model.config
     params = model.checkpoint_tensors()
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name not in params:
-                    unexpected.append(name)
-                    continue
-                tensor = f.get_tensor(name)
-                target = params[name]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise CheckpointError(
-                        f"{folder}: weight {name} has shape {tuple(tensor.shape)} but the config implies "
-                        f"{tuple(target.shape)}"
-                    )
-                with torch.no_grad():
-                    target.copy_(tensor)
-                loaded.add(name)
+    for name, tensor in tensors:
+        if name not in params:
+            unexpected.append(name)
+            continue
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"{source}: weight {name} has shape {tuple(tensor.shape)} but the config implies "
+                f"{tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        loaded.add(name)
     if unexpected and not (cfg.tie_word_embeddings and unexpected == ["lm_head.weight"]):
         raise CheckpointError(
-            f"{folder}: weights not used by {cfg.architecture}: {', '.join(sorted(unexpected)[:5])}"
+            f"{source}: weights not used by {cfg.architecture}: {', '.join(sorted(unexpected)[:5])}"
             + (" ..." if len(unexpected) > 5 else "")
         )
     if cfg.tie_word_embeddings:
@@ -136,6 +156,6 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: st
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(
-            f"{folder}: weights missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+            f"{source}: weights missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
         )
     return model.eval().requires_grad_(False)

@@ -1,0 +1,337 @@
+"""Distil a small draft for SmolLM2-135M-Instruct (the default target) on CPU or CUDA, offline.
+
+    python recipes/train_smollm2_draft.py                      # everything; re-run to resume
+    python recipes/train_smollm2_draft.py --teach-minutes 50 --train-minutes 60
+
+A draft earns its keep by agreeing with the target on what the target will write, so it is trained
+on exactly that, and the teacher's tokens (its forward bounds the whole recipe on a CPU) are spent
+once and reused:
+  1. prompts   chat requests and code prefixes built from the standard library's *.py files,
+               split by file (recipes/train_pair.py's split; the held-out files are never used)
+  2. teach     the target answers the prompts (half greedy, half sampled at T=1); at every
+               position its top-k log-probabilities are kept, in resumable shards
+  3. train     a 2-layer, d=256 Llama (embedding from a PCA of the target's, tied head) on the
+               teacher's top-k (soft cross-entropy) plus the tokens themselves, epochs over the
+               shards, cosine learning rate over the wall-clock budget, resumable
+  4. export    a bfloat16 Hugging Face folder with the target's tokenizer
+Measure it with recipes/evaluate_smollm2_draft.py (alpha at gamma 1..8, c, the model card).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specengine.corpus import code_prompts, encode_prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TOP_K = 20
+DRAFT_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=1024, head_dim=64)
+
+
+# ---- 1. prompts ------------------------------------------------------------------------------
+
+def split_prompts(tokenizer, seed: int, max_prompt: int):
+    out = {}
+    for split, held_out in (("train", False), ("heldout", True)):
+        prompts = code_prompts(held_out, seed)
+        for p in prompts:
+            p["ids"] = encode_prompt(tokenizer, p)
+        out[split] = [p for p in prompts if 4 <= len(p["ids"]) <= max_prompt]
+    return out
+
+
+# ---- 2. the teacher's answers and top-k ----------------------------------------------------
+
+@torch.inference_mode()
+def teach_batch(teacher, prompts: list[list[int]], max_new: int, temperature: float, eos: set[int],
+                generator: torch.Generator):
+    """The teacher continues each prompt; returns per row (tokens, top-k ids [L-1, K], top-k
+    log-probs [L-1, K]) where position i holds the teacher's distribution for token i + 1."""
+    device = teacher.device
+    B, lengths = len(prompts), [len(p) for p in prompts]
+    T = max(lengths)
+    cache = teacher.new_cache(B, T + max_new + 1)
+    padded = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)
+    hidden = teacher(padded, torch.zeros(B, dtype=torch.long, device=device), cache, kv_len=T)
+    logp = F.log_softmax(teacher.logits(hidden), -1)  # [B, T, V]
+    top = logp.topk(TOP_K, -1)
+    ids = [[top.indices[b, : lengths[b]]] for b in range(B)]
+    vals = [[top.values[b, : lengths[b]]] for b in range(B)]
+    seqs = [list(p) for p in prompts]
+    cache.lengths.copy_(torch.tensor(lengths, device=device))
+    last = logp[torch.arange(B), torch.tensor(lengths, device=device) - 1]  # [B, V]
+    done = [False] * B
+    for _ in range(max_new):
+        if temperature == 0:
+            nxt = last.argmax(-1)
+        else:
+            nxt = torch.multinomial((last / temperature).softmax(-1), 1, generator=generator)[:, 0]
+        nxt_list = nxt.tolist()
+        for b in range(B):
+            if not done[b]:
+                seqs[b].append(nxt_list[b])
+                done[b] = nxt_list[b] in eos
+        if all(done):
+            break
+        hidden = teacher(nxt[:, None], cache.lengths.clone(), cache)
+        cache.lengths.add_(1)
+        last = F.log_softmax(teacher.logits(hidden[:, 0]), -1)
+        top = last.topk(TOP_K, -1)
+        for b in range(B):
+            if not done[b]:
+                ids[b].append(top.indices[b: b + 1])
+                vals[b].append(top.values[b: b + 1])
+    out = []
+    for b in range(B):
+        L = len(seqs[b])
+        out.append((np.array(seqs[b], dtype=np.int32),
+                    torch.cat(ids[b])[: L - 1].cpu().numpy().astype(np.int32),
+                    torch.cat(vals[b])[: L - 1].float().cpu().numpy().astype(np.float16)))
+    return out
+
+
+def stage_teach(work: Path, target_dir: Path, prompts: list[dict], minutes: float, device, batch: int,
+                max_new: int, eos: set[int]):
+    """Shards of teacher data until the budget is spent; a re-run continues after the last shard."""
+    from specengine.models import load_model
+
+    shards = sorted(work.glob("teach-*.npz"))
+    state_path = work / "teach_state.json"
+    state = json.loads(state_path.read_text()) if state_path.is_file() else dict(next_prompt=0, elapsed=0.0,
+                                                                               tokens=0, generated=0)
+    if state["elapsed"] >= minutes * 60 or state["next_prompt"] >= len(prompts):
+        return shards
+    # Float32 matrices on a CPU: a batch's products then run as float32 GEMMs, about twice the
+    # tokens/s of the bfloat16 whole-layer kernels (made for one row) at 16-32 rows here.
+    teacher = load_model(target_dir, device, weight_dtype="float32" if device.type == "cpu" else None)
+    generator = torch.Generator(device=device).manual_seed(len(shards))
+    while state["elapsed"] < minutes * 60 and state["next_prompt"] < len(prompts):
+        t0 = time.time()
+        chunk = prompts[state["next_prompt"]: state["next_prompt"] + batch]
+        # Alternate greedy and sampled batches: greedy acceptance needs the argmax path, sampled
+        # acceptance the distribution along sampled paths.
+        temperature = 0.0 if (state["next_prompt"] // batch) % 2 == 0 else 1.0
+        rows = teach_batch(teacher, [p["ids"] for p in chunk], max_new, temperature, eos, generator)
+        shard = work / f"teach-{len(shards):05d}.npz"
+        np.savez(shard, tokens=np.concatenate([r[0] for r in rows]),
+                 lengths=np.array([len(r[0]) for r in rows]), prompt_lengths=np.array([len(p["ids"]) for p in chunk]),
+                 top_ids=np.concatenate([r[1] for r in rows]), top_logp=np.concatenate([r[2] for r in rows]))
+        shards.append(shard)
+        state["next_prompt"] += len(chunk)
+        state["elapsed"] += time.time() - t0
+        state["tokens"] += sum(len(r[0]) for r in rows)
+        state["generated"] += sum(len(r[0]) - len(p["ids"]) for r, p in zip(rows, chunk))
+        state_path.write_text(json.dumps(state))
+        print(f"teach: {state['next_prompt']} prompts, {state['tokens']} tokens ({state['generated']} generated), "
+              f"{state['elapsed'] / 60:.1f} min, {state['tokens'] / state['elapsed']:.0f} tok/s", flush=True)
+    return shards
+
+
+# ---- 3. the draft ----------------------------------------------------------------------------
+
+def load_shards(shards):
+    """Every taught sequence: (tokens [L], top ids [L-1, K], top log-probs [L-1, K], prompt length)."""
+    seqs = []
+    for path in shards:
+        with np.load(path) as z:
+            tokens, lengths, plens = z["tokens"], z["lengths"], z["prompt_lengths"]
+            top_ids, top_logp = z["top_ids"], z["top_logp"]
+        t = p = 0
+        for L, P in zip(lengths, plens):
+            seqs.append((tokens[t: t + L], top_ids[p: p + L - 1], top_logp[p: p + L - 1], int(P)))
+            t, p = t + L, p + L - 1
+    return seqs
+
+
+def make_draft(target_dir: Path, vocab: int, eos: int, bos: int | None):
+    """A small Llama whose embedding starts as the target's projected onto its top principal axes."""
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=target_cfg["max_position_embeddings"],
+                      tie_word_embeddings=True, rope_theta=target_cfg["rope_theta"], bos_token_id=bos,
+                      eos_token_id=eos, rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"], **DRAFT_SHAPE)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with safe_open(target_dir / "model.safetensors", framework="pt") as f:
+        emb = f.get_tensor("model.embed_tokens.weight").float()
+    centred = emb - emb.mean(0)
+    _, _, v = torch.linalg.svd(centred[torch.randperm(len(emb))[:16384]], full_matrices=False)
+    projected = emb @ v[: DRAFT_SHAPE["hidden_size"]].T
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(projected * (0.02 / projected.std()))
+    return model
+
+
+def batches_of(seqs, max_tokens: int, seq_cap: int, rng: np.random.Generator):
+    """Batches of about max_tokens (length-sorted buckets, shuffled), forever."""
+    while True:
+        order = rng.permutation(len(seqs))
+        buckets = [sorted(order[i: i + 512], key=lambda j: len(seqs[j][0])) for i in range(0, len(order), 512)]
+        groups = []
+        for bucket in buckets:
+            group, longest = [], 0
+            for j in bucket:
+                L = min(len(seqs[j][0]), seq_cap)
+                if group and max(longest, L) * (len(group) + 1) > max_tokens:
+                    groups.append(group)
+                    group, longest = [], 0
+                group.append(j)
+                longest = max(longest, L)
+            if group:
+                groups.append(group)
+        for g in rng.permutation(len(groups)):
+            yield [seqs[j] for j in groups[g]]
+
+
+def collate(batch, seq_cap: int, prompt_weight: float):
+    T = min(max(len(s[0]) for s in batch), seq_cap) - 1
+    B = len(batch)
+    x = torch.zeros(B, T, dtype=torch.long)
+    y = torch.full((B, T), -100, dtype=torch.long)
+    top_ids = torch.zeros(B, T, TOP_K, dtype=torch.long)
+    top_p = torch.zeros(B, T, TOP_K)
+    weight = torch.zeros(B, T)
+    for b, (tokens, ids, logp, plen) in enumerate(batch):
+        n = min(len(tokens), T + 1) - 1
+        x[b, :n] = torch.from_numpy(tokens[:n].astype(np.int64))
+        y[b, :n] = torch.from_numpy(tokens[1: n + 1].astype(np.int64))
+        top_ids[b, :n] = torch.from_numpy(ids[:n].astype(np.int64))
+        top_p[b, :n] = torch.from_numpy(logp[:n].astype(np.float32)).exp()
+        weight[b, :n] = 1.0
+        weight[b, : max(0, plen - 1)] = prompt_weight  # positions predicting prompt tokens
+    return x, y, top_ids, top_p, weight
+
+
+def stage_train(work: Path, target_dir: Path, shards, minutes: float, device, vocab: int, eos: int,
+                bos: int | None, max_tokens: int, lr: float, kd_weight: float, prompt_weight: float,
+                seq_cap: int = 512):
+    from tqdm import tqdm
+
+    ckpt = work / "draft.pt"  # this recipe's own training state, read back with weights_only=True
+    model = make_draft(target_dir, vocab, eos, bos).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    state = dict(step=0, elapsed=0.0, tokens=0)
+    if ckpt.is_file():
+        saved = torch.load(ckpt, map_location=device, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+    budget = minutes * 60
+    if state["elapsed"] >= budget:
+        return model, state
+    seqs = load_shards(shards)
+    print(f"train: {len(seqs)} sequences, {sum(len(s[0]) for s in seqs)} tokens from {len(shards)} shards")
+    stream = batches_of(seqs, max_tokens, seq_cap, np.random.default_rng(state["step"]))
+    log = open(work / "draft_loss.csv", "a")
+    bar = tqdm(total=int(budget), initial=int(state["elapsed"]), unit="s", desc="train draft")
+    model.train()
+    last_save = time.time()
+    while state["elapsed"] < budget:
+        t0 = time.time()
+        frac = state["elapsed"] / budget
+        warm = min(1.0, (state["step"] + 1) / 50)
+        for group in opt.param_groups:
+            group["lr"] = lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        x, y, top_ids, top_p, weight = (t.to(device) for t in collate(next(stream), seq_cap, prompt_weight))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(x).logits.float()
+        logq = F.log_softmax(logits, -1)
+        ce = -logq.gather(-1, y.clamp(min=0)[..., None])[..., 0]
+        soft = -(top_p * logq.gather(-1, top_ids)).sum(-1)  # the teacher's top-k mass, against the draft
+        per_pos = (1 - kd_weight) * ce + kd_weight * soft
+        loss = (per_pos * weight).sum() / weight.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            gen = weight == 1.0
+            agree = (logits.argmax(-1) == top_ids[..., 0])[gen].float().mean().item()
+        dt = time.time() - t0
+        state["step"] += 1
+        state["elapsed"] += dt
+        state["tokens"] += int((weight > 0).sum())
+        log.write(f"{state['step']},{state['elapsed']:.1f},{state['tokens']},{loss.item():.4f},{agree:.4f}\n")
+        bar.update(int(state["elapsed"]) - bar.n)
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree:.3f}", tok_s=f"{int((weight > 0).sum()) / dt:.0f}")
+        if time.time() - last_save > 300 or state["elapsed"] >= budget:
+            torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), state=state), ckpt)
+            last_save = time.time()
+    bar.close()
+    log.close()
+    return model, state
+
+
+def export(model, target_dir: Path, out: Path, meta: dict):
+    from transformers import GenerationConfig
+
+    from specengine.tokenizer import load_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(out)
+    load_tokenizer(target_dir).save_pretrained(out)
+    GenerationConfig(eos_token_id=model.config.eos_token_id, bos_token_id=model.config.bos_token_id).save_pretrained(out)
+    (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=ROOT / ".train-work" / "smollm2-draft")
+    parser.add_argument("--out", type=Path, default=ROOT / "specengine" / "pretrained" / "smollm2-draft")
+    parser.add_argument("--target", type=Path, help="the target's folder (default: specengine.default_target())")
+    parser.add_argument("--teach-minutes", type=float, default=55)
+    parser.add_argument("--train-minutes", type=float, default=65)
+    parser.add_argument("--teach-batch", type=int, default=32)
+    parser.add_argument("--max-new", type=int, default=128)
+    parser.add_argument("--max-prompt", type=int, default=384)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--kd-weight", type=float, default=0.7)
+    parser.add_argument("--prompt-weight", type=float, default=0.2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from specengine.shipped import default_target
+    from specengine.tokenizer import load_tokenizer
+
+    device = torch.device(args.device)
+    target_dir = args.target or default_target()
+    args.work.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(target_dir)
+    prompts_path = args.work / "prompts.json"
+    if not prompts_path.is_file():
+        prompts_path.write_text(json.dumps(split_prompts(tokenizer, args.seed, args.max_prompt)))
+    prompts = json.loads(prompts_path.read_text())
+    print(f"prompts: {len(prompts['train'])} train, {len(prompts['heldout'])} held out")
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    eos = {target_cfg["eos_token_id"], tokenizer.eos_token_id}
+    shards = stage_teach(args.work, target_dir, prompts["train"], args.teach_minutes, device, args.teach_batch,
+                         args.max_new, eos)
+    model, state = stage_train(args.work, target_dir, shards, args.train_minutes, device, target_cfg["vocab_size"],
+                               tokenizer.eos_token_id, target_cfg.get("bos_token_id"), args.batch_tokens, args.lr,
+                               args.kd_weight, args.prompt_weight)
+    teach = json.loads((args.work / "teach_state.json").read_text())
+    meta = dict(recipe="recipes/train_smollm2_draft.py", target=str(target_dir.name), device=str(device),
+                threads=torch.get_num_threads(), teacher_prompts=teach["next_prompt"],
+                teacher_tokens=teach["tokens"], teacher_generated_tokens=teach["generated"],
+                teach_minutes=teach["elapsed"] / 60, train_minutes=state["elapsed"] / 60,
+                train_steps=state["step"], train_tokens=state["tokens"], shape=DRAFT_SHAPE, top_k=TOP_K,
+                kd_weight=args.kd_weight, lr=args.lr, date=time.strftime("%Y-%m-%d"))
+    export(model, target_dir, args.out, meta)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

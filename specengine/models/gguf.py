@@ -1,0 +1,285 @@
+"""GGUF files (llama.cpp's format) read through the `gguf` package: config, weights, tokenizer.
+
+A GGUF file holds what a Hugging Face folder holds: metadata (which we turn into a config.json
+dict, so one ModelConfig parser validates both), tensors under llama.cpp's names (mapped here
+to transformers' names, dequantized to float32 by `gguf.quants`), and the tokenizer with its
+chat template (converted by transformers' GGUF tokenizer support). Nothing is executed.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from .loader import CheckpointError
+
+# llama.cpp's architecture names -> ours. llama.cpp writes Mistral as "llama" (told apart by
+# its general.name, as transformers does).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# llama.cpp's per-layer tensor names -> transformers' (the part after model.layers.N.).
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Precomputed rotary frequency factors (Llama 3.1+): checked against the llama3 rope config
+# they imply, then not loaded (the model computes its own table).
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file is unreadable, truncated, or holds something this engine does not run."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def open_gguf(path: str | Path):
+    """A gguf.GGUFReader over `path`, with every tensor's data checked to lie inside the file."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise GGUFError(f"{path}: reading GGUF files needs the `gguf` package (pip install gguf)") from None
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError) as e:  # bad magic, truncated header or data
+        raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise GGUFError(f"{path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
+                            f"of a {size}-byte file")
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader, path: str | Path) -> dict:
+    """The file's metadata as a Hugging Face config.json dict (weights stored in bfloat16)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                        f"{', '.join(GGUF_ARCHITECTURES)} (llama also covers Mistral)")
+    architecture = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and "mistral" in str(_field(reader, "general.name", "")).lower():
+        architecture = "MistralForCausalLM"
+
+    def need(key):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise GGUFError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
+    cfg = {
+        "architectures": [architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[architecture],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(need("context_length")),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu",
+        "dtype": "bfloat16",
+    }
+    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
+        raise GGUFError(f"{path}: rotary over {rope_dims} of {cfg['head_dim']} head dimensions "
+                        "(partial rotary) is not supported")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, llama3)")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    if _ROPE_FREQS in tensors:
+        cfg["rope_scaling"] = _llama3_rope(tensors[_ROPE_FREQS], cfg, path)
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window and architecture == "MistralForCausalLM":
+        cfg["sliding_window"] = int(window)
+    for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        value = _field(reader, name)
+        if value is not None:
+            cfg[key] = int(value)
+    return cfg
+
+
+def _llama3_rope(freqs_tensor, cfg: dict, path) -> dict:
+    """llama.cpp stores Llama 3.1's rope scaling as per-frequency divisors; find the llama3
+    parameters that give them (Meta's releases differ only in the factor)."""
+    from gguf.quants import dequantize
+
+    stored = dequantize(freqs_tensor.data, freqs_tensor.tensor_type).reshape(-1).astype(np.float64)
+    dim, theta = cfg["head_dim"], cfg["rope_theta"]
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
+        low, high, original = 1.0, 4.0, 8192
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - low) / (high - low)
+        divisor = np.where(wavelen > original / low, factor,
+                           np.where(wavelen < original / high, 1.0, 1.0 / ((1 - smooth) / factor + smooth)))
+        if stored.shape == divisor.shape and np.allclose(stored, divisor, rtol=1e-4):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    raise GGUFError(f"{path}: its rope_freqs tensor matches no llama3 rope scaling we know")
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _MODEL_TENSORS:
+        return f"{_MODEL_TENSORS[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
+    return None
+
+
+def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders each head's q/k rows from halves (transformers' rotary) to
+    interleaved pairs (its own); this puts them back."""
+    rows = weights.shape[0]
+    return weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def gguf_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(transformers name, float32 array) for every weight of the file."""
+    from gguf.quants import dequantize
+
+    permute = cfg["model_type"] in ("llama", "mistral")
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue
+        name = _hf_name(t.name)
+        if name is None:
+            raise GGUFError(f"{path}: tensor {t.name} is not part of a {cfg['architectures'][0]}")
+        try:
+            weights = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise GGUFError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which the gguf package "
+                            "cannot dequantize") from None
+        # A copy: unquantized tensors come back as read-only views of the mapped file.
+        weights = np.array(weights, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+        if permute and name.endswith("q_proj.weight"):
+            weights = _unpermute(weights, cfg["num_attention_heads"])
+        elif permute and name.endswith("k_proj.weight"):
+            weights = _unpermute(weights, cfg["num_key_value_heads"])
+        yield name, weights
+
+
+def gguf_tokenizer(path: str | Path):
+    """The file's tokenizer (chat template included), converted by transformers."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise GGUFError(f"{path}: cannot build a tokenizer from its metadata: {e}") from None
+
+
+def convert_gguf(path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Write a GGUF file as a Hugging Face folder: config.json, model.safetensors (bfloat16),
+    tokenizer files with the chat template, generation_config.json. The folder appears whole
+    or not at all (written beside it, then renamed)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    from .config import ModelConfig
+
+    path, out_dir = Path(path), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    reader = open_gguf(path)
+    cfg = gguf_config(reader, path)
+    ModelConfig.from_dict(cfg)  # refuse what we could not run before writing anything
+    tokenizer = gguf_tokenizer(path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        tensors = {}
+        items = gguf_tensors(reader, cfg, path)
+        if progress:
+            from tqdm.auto import tqdm
+
+            items = tqdm(items, total=len(reader.tensors), desc=f"converting {path.name}", unit="tensor")
+        for name, array in items:
+            if not (cfg["tie_word_embeddings"] and name == "lm_head.weight"):
+                tensors[name] = torch.from_numpy(array).to(torch.bfloat16)
+        save_file(tensors, work / "model.safetensors", metadata={"format": "pt", "source": path.name})
+        (work / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
+        (work / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        tokenizer.save_pretrained(str(work))
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(work, out_dir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def requantize_gguf(path: str | Path, out: str | Path, type_name: str = "BF16") -> Path:
+    """A copy of a GGUF file with every matrix dequantized and stored as `type_name` (1-D tensors
+    stay as they are): the same weights for llama.cpp at another precision, e.g. the bfloat16
+    that specengine holds a quantized file in."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    reader = open_gguf(path)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    writer = gguf.GGUFWriter(str(out), str(_field(reader, "general.architecture")))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # written by the writer itself
+        value = field.contents()
+        if field.name == "general.file_type":
+            value = {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7}.get(type_name, value)
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        if len(t.shape) < 2 or t.tensor_type == qtype:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+            continue
+        rows = dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+        writer.add_tensor(t.name, quantize(np.ascontiguousarray(rows, dtype=np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out)

