@@ -105,6 +105,9 @@ Same architecture, data stream and training time; alpha at gamma {c['gamma']} ag
 {rows}"""
     return f"""# {name}
 
+> This pair is no longer specengine's default (that is SmolLM2-135M-Instruct with smollm2-draft, see
+> the README); it stays in the package for the tests, which need a fast pair with a known held-out split.
+
 A small Llama-architecture Python-code completion model: {role}. Both share one byte-level BPE
 tokenizer (8192 tokens, `<|endoftext|>` between files). Trained from scratch by
 `recipes/train_pair.py`; measured by `recipes/evaluate_pair.py`.

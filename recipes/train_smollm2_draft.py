@@ -13,7 +13,9 @@ once and reused:
   3. train     a 2-layer, d=256 Llama (embedding from a PCA of the target's, tied head) on the
                teacher's top-k (soft cross-entropy) plus the tokens themselves, epochs over the
                shards, cosine learning rate over the wall-clock budget, resumable
-  4. export    a bfloat16 Hugging Face folder with the target's tokenizer
+  4. export    a bfloat16 Hugging Face folder (no tokenizer files: it is the target's) whose head
+               scores only the 8192 ids the teacher used most (q = 0 elsewhere, still lossless):
+               the 49152-wide head was most of a draft step
 Measure it with recipes/evaluate_smollm2_draft.py (alpha at gamma 1..8, c, the model card).
 """
 from __future__ import annotations
@@ -273,15 +275,38 @@ def stage_train(work: Path, target_dir: Path, shards, minutes: float, device, vo
     return model, state
 
 
-def export(model, target_dir: Path, out: Path, meta: dict):
+def frequent_ids(shards, count: int, always: set[int]) -> torch.Tensor:
+    """The `count` ids the teacher wrote or ranked most often (its tokens and its top-k), with
+    `always` (the special tokens) among them, sorted."""
+    counts = np.zeros(0, dtype=np.int64)
+    for path in shards:
+        with np.load(path) as z:
+            seen = np.concatenate([z["tokens"], z["top_ids"][:, :4].reshape(-1)])
+        c = np.bincount(seen)
+        counts = np.pad(counts, (0, max(0, len(c) - len(counts))))
+        counts[: len(c)] += c
+    order = [i for i in sorted(always)] + [int(i) for i in np.argsort(-counts, kind="stable") if i not in always]
+    return torch.tensor(sorted(order[:count]), dtype=torch.int64)
+
+
+def export(model, out: Path, meta: dict, output_ids: torch.Tensor | None):
+    """A bfloat16 folder; with output_ids the head scores only those ids (config output_vocab_size,
+    tensor lm_head.token_ids: specengine's cheap draft head, q = 0 elsewhere)."""
+    from safetensors.torch import load_file, save_file
     from transformers import GenerationConfig
 
-    from specengine.tokenizer import load_tokenizer
-
     out.mkdir(parents=True, exist_ok=True)
+    # No tokenizer files: the draft is the target's, and SmolLM2's tokenizer.json alone is 3.5 MB
+    # of the 30 MB the repository allows it. specengine then uses the target's tokenizer.
     model.to(torch.bfloat16).save_pretrained(out)
-    load_tokenizer(target_dir).save_pretrained(out)
     GenerationConfig(eos_token_id=model.config.eos_token_id, bos_token_id=model.config.bos_token_id).save_pretrained(out)
+    if output_ids is not None:
+        weights = load_file(out / "model.safetensors")
+        weights["lm_head.token_ids"] = output_ids
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["output_vocab_size"] = len(output_ids)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -299,6 +324,8 @@ def main():
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--kd-weight", type=float, default=0.7)
     parser.add_argument("--prompt-weight", type=float, default=0.2)
+    parser.add_argument("--output-vocab", type=int, default=8192,
+                        help="the head scores only the ids the teacher used most (0: the whole vocabulary)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -328,8 +355,12 @@ def main():
                 teacher_tokens=teach["tokens"], teacher_generated_tokens=teach["generated"],
                 teach_minutes=teach["elapsed"] / 60, train_minutes=state["elapsed"] / 60,
                 train_steps=state["step"], train_tokens=state["tokens"], shape=DRAFT_SHAPE, top_k=TOP_K,
-                kd_weight=args.kd_weight, lr=args.lr, date=time.strftime("%Y-%m-%d"))
-    export(model, target_dir, args.out, meta)
+                kd_weight=args.kd_weight, lr=args.lr, output_vocab=args.output_vocab or target_cfg["vocab_size"],
+                date=time.strftime("%Y-%m-%d"))
+    output_ids = None
+    if args.output_vocab:
+        output_ids = frequent_ids(shards, args.output_vocab, set(tokenizer.all_special_ids))
+    export(model, args.out, meta, output_ids)
     print(f"wrote {args.out}")
 
 

@@ -22,6 +22,15 @@ def load_tokenizer(folder: str | Path):
         raise FileNotFoundError(f"cannot load a tokenizer from {folder}: {e}") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether a checkpoint carries a tokenizer (a GGUF file always does)."""
+    path = Path(path)
+    return path.suffix.lower() == ".gguf" or any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
 def check_same_vocabulary(target_tok, draft_tok, target_dir, draft_dir):
     """Speculative sampling compares p and q token by token, so both must index one vocabulary."""
     if target_tok.get_vocab() != draft_tok.get_vocab():

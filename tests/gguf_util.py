@@ -45,7 +45,8 @@ def random_k_blocks(qtype_name: str, rows: int, cols: int, rng: np.random.Genera
 
 
 def write_gguf(path, config, state_dict: dict[str, torch.Tensor], types: dict[str, str] | None = None,
-               name: str = "tiny", architecture: str | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+               name: str = "tiny", architecture: str | None = None, seed: int = 0,
+               rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Write an HF state dict as llama.cpp would. types: tensor-name substring -> GGML type name
     for the matrices (default F32; 1-D tensors stay F32 as llama.cpp keeps them). K-quant
     matrices get random blocks instead of the given weights. Returns the arrays written."""
@@ -74,6 +75,8 @@ def write_gguf(path, config, state_dict: dict[str, torch.Tensor], types: dict[st
         writer.add_eos_token_id(config.eos_token_id)
     rng = np.random.default_rng(seed)
     written = {}
+    if rope_freqs is not None:  # llama.cpp's form of Llama 3.1's rope scaling: per-frequency divisors
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for hf_name, tensor in state_dict.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue

@@ -56,14 +56,23 @@ def test_target_is_converted_once_and_says_so(tmp_path, monkeypatch, capfd):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["SmolLM2-135M-Instruct"]  # no half-written folder left
 
 
-def test_the_draft_shares_the_targets_tokenizer_and_is_small(pair):
-    from specengine.tokenizer import check_same_vocabulary, load_tokenizer
+def test_the_draft_is_made_for_the_targets_tokenizer_and_is_small(pair):
+    from specengine.models import ModelConfig
+    from specengine.tokenizer import has_tokenizer
 
     target, draft = pair
-    check_same_vocabulary(load_tokenizer(target), load_tokenizer(draft), target, draft)
-    size = sum(p.stat().st_size for p in draft.iterdir())
-    assert size <= 30_000_000
+    assert not has_tokenizer(draft)  # it uses the target's (see Engine.from_pretrained)
+    assert ModelConfig.from_folder(draft).vocab_size == ModelConfig.from_folder(target).vocab_size
+    assert sum(p.stat().st_size for p in draft.iterdir()) <= 30_000_000
     assert (draft / "README.md").is_file()
+
+
+def test_a_tokenizerless_draft_of_another_width_is_refused(pair, checkpoint):
+    from specengine.tokenizer import TokenizerMismatchError
+
+    with pytest.raises(TokenizerMismatchError, match="has no tokenizer files, so it must share .* vocab_size 97 "
+                                                     "is not the target's 49152"):
+        Engine.from_pretrained(pair[0], checkpoint("llama3-rope-gqa"))
 
 
 def test_greedy_speculative_chat_equals_target_only(pair):

@@ -83,6 +83,42 @@ def test_quantized_gguf_equals_transformers_gguf_load(case, types, tmp_path):
     torch.testing.assert_close(our_logits(ours), ref, atol=2e-5 * scale, rtol=1e-4)
 
 
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    """llama.cpp keeps Llama 3.1's rope scaling as a rope_freqs tensor of divisors, not metadata."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = tiny_hf("llama")
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf.config.rope_parameters = rope
+    hf = AutoModelForCausalLM.from_config(hf.config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.08) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config)
+    dim = hf.config.head_dim
+    plain = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    divisors = (plain / scaled.double()).numpy()
+    assert divisors.max() > 7.9  # the scaling reaches this model's frequencies
+    write_gguf(tmp_path / "l3.gguf", hf.config, hf.state_dict(), rope_freqs=divisors)
+    ours = load_model(tmp_path / "l3.gguf", weight_dtype="float32")
+    assert ours.config.rope.rope_type == "llama3" and ours.config.rope.factor == 8.0
+    with torch.no_grad():
+        ref = hf(torch.tensor(TOKENS)).logits
+    torch.testing.assert_close(our_logits(ours), ref, atol=2e-5, rtol=1e-4)
+    # Far positions, where the scaled frequencies have turned: the rotary tables equal transformers'.
+    positions = torch.arange(6000, 6016)[None]
+    cos, sin = ours.rope_at(positions, 6016)
+    ref_cos, ref_sin = hf.model.rotary_emb(torch.zeros(1, 16, dim), positions)
+    torch.testing.assert_close(cos, ref_cos, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sin, ref_sin, atol=1e-5, rtol=0)
+    wrong = divisors.copy()
+    wrong[-1] *= 1.5
+    write_gguf(tmp_path / "bad.gguf", hf.config, hf.state_dict(), rope_freqs=wrong)
+    with pytest.raises(GGUFError, match="rope_freqs tensor matches no llama3 rope scaling"):
+        load_model(tmp_path / "bad.gguf")
+
+
 def test_gguf_loads_bfloat16_matrices_by_default_on_cpu(tmp_path):
     """A GGUF is held as a bfloat16 checkpoint would be (what `specengine convert` writes)."""
     hf = tiny_hf("llama")

@@ -123,7 +123,10 @@ class Engine:
                         nvtx: bool = False, weight_dtype: str | torch.dtype | None = None,
                         time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int = 8,
                         check_every: int = 1) -> "Engine":
-        """Load a target (and a draft) from local Hugging Face folders.
+        """Load a target (and a draft) from local Hugging Face folders or GGUF files.
+
+        A draft folder without tokenizer files shares the target's tokenizer (its vocab_size must be
+        the target's); otherwise both tokenizers must be one vocabulary.
 
         dtype is the compute dtype; weight_dtype the matrices' storage (see models.load_model:
         by default a bfloat16 checkpoint on CPU keeps bfloat16 matrices and computes in float32).
@@ -134,7 +137,7 @@ class Engine:
         from ..drafters.model import ModelDrafter
         from ..drafters.ngram import NgramDrafter
         from ..models.loader import load_model
-        from ..tokenizer import check_same_vocabulary, load_tokenizer
+        from ..tokenizer import TokenizerMismatchError, check_same_vocabulary, has_tokenizer, load_tokenizer
 
         if drafter not in ("model", "ngram"):
             raise ValueError(f"drafter must be 'model' or 'ngram', got {drafter!r}")
@@ -149,7 +152,14 @@ class Engine:
             chosen = NgramDrafter()
         elif draft is not None:
             draft_model = load_model(draft, device, dtype, weight_dtype)
-            check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
+            if has_tokenizer(draft):
+                check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
+            elif draft_model.config.vocab_size != target_model.config.vocab_size:
+                # A draft folder without tokenizer files is made for a target's tokenizer (as the
+                # default pair's draft is): its logits must be as wide as the target's.
+                raise TokenizerMismatchError(
+                    f"{draft} has no tokenizer files, so it must share {target}'s tokenizer, but its vocab_size "
+                    f"{draft_model.config.vocab_size} is not the target's {target_model.config.vocab_size}")
             chosen = ModelDrafter(draft_model, target_model.config.vocab_size, len(tokenizer))
         return cls(target_model, tokenizer, chosen, gamma, max_seq_len, verify_impl=verify_impl, max_gamma=max_gamma,
                    nvtx=nvtx, time_phases=time_phases, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size,

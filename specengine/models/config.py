@@ -59,6 +59,11 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: keys within the last `sliding_window` positions
     dtype: str = "float32"  # the checkpoint's stored dtype
     eos_token_ids: tuple[int, ...] = ()
+    # A head over only this many token ids (the checkpoint's lm_head.token_ids), every other id's
+    # logit -inf: a draft's cheap head (q = 0 elsewhere, which speculative sampling allows). Tied,
+    # its rows are the embedding's rows of those ids. specengine's own key: transformers ignores it
+    # and runs the full tied head.
+    output_vocab_size: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -73,6 +78,9 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.output_vocab_size is not None and not 1 <= self.output_vocab_size <= self.vocab_size:
+            raise ConfigError(f"output_vocab_size must be in [1, vocab_size={self.vocab_size}], "
+                              f"got {self.output_vocab_size}")
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -125,6 +133,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             eos_token_ids=eos_ids,
+            output_vocab_size=raw.get("output_vocab_size"),
         )
 
     @classmethod

@@ -119,8 +119,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.lm_head = Linear(cfg.hidden_size, cfg.output_vocab_size or cfg.vocab_size, bias=False)
+        if cfg.output_vocab_size is not None:
+            # The head's rows score these ids (a tied head's rows are copied from the embedding
+            # once loaded, see gather_output_rows).
+            self.register_buffer("output_token_ids", torch.zeros(cfg.output_vocab_size, dtype=torch.int64))
+        elif cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Kept out of the module's buffers so that model.to(bfloat16) cannot round it.
         self._inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
@@ -142,6 +146,10 @@ class LlamaForCausalLM(nn.Module):
         tensor (or rows of a packed tensor) it loads into. With tied embeddings, lm_head.weight
         is the embedding itself."""
         tensors = dict(self.named_parameters(remove_duplicate=False))
+        if self.config.output_vocab_size is not None:
+            tensors["lm_head.token_ids"] = self.output_token_ids
+            if self.config.tie_word_embeddings:
+                del tensors["lm_head.weight"]  # gathered from the embedding, see gather_output_rows
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
@@ -242,6 +250,16 @@ class LlamaForCausalLM(nn.Module):
         self._layer_weights_assignments = -1
         return result
 
+    def gather_output_rows(self):
+        """A tied head over output_token_ids: its rows are the embedding's rows of those ids."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.model.embed_tokens.weight[self.output_token_ids])
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in float32 for hidden states [..., D]."""
-        return self.lm_head(hidden).float()
+        """Logits [..., vocab_size] in float32 for hidden states [..., D] (-inf on ids outside
+        output_token_ids, where the head has them)."""
+        scores = self.lm_head(hidden).float()
+        if self.config.output_vocab_size is None:
+            return scores
+        full = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.output_token_ids, scores)

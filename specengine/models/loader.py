@@ -88,7 +88,8 @@ def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: str
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.data = module.weight.data.to(matrix_dtype)
-    if cfg.tie_word_embeddings:  # to_empty allocates each module's parameters apart: tie again
+    if cfg.tie_word_embeddings and cfg.output_vocab_size is None:
+        # to_empty allocates each module's parameters apart: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
@@ -158,4 +159,11 @@ def fill_model(model: LlamaForCausalLM, tensors, source: Path) -> LlamaForCausal
         raise CheckpointError(
             f"{source}: weights missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
         )
+    if cfg.output_vocab_size is not None:
+        ids = model.output_token_ids
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or ids.unique().numel() != ids.numel():
+            raise CheckpointError(f"{source}: lm_head.token_ids must be {cfg.output_vocab_size} distinct ids in "
+                                  f"[0, {cfg.vocab_size})")
+        if cfg.tie_word_embeddings:
+            model.gather_output_rows()
     return model.eval().requires_grad_(False)
