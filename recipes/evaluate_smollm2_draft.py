@@ -24,6 +24,7 @@ import torch
 from specengine import Engine, SamplingParams
 from specengine.corpus import heldout_chat_prompts
 from specengine.drafters.model import ModelDrafter
+from specengine.models import load_model
 from specengine.shipped import DEFAULT_DRAFT_DIR, default_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,10 +42,11 @@ def main():
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--gammas", type=int, nargs="+", default=list(range(1, 9)))
+    parser.add_argument("--sample-tokens", type=int, default=160, help="new tokens of each sample answer")
     args = parser.parse_args()
     target_dir = default_target()
     base = Engine.from_pretrained(target_dir)
-    draft = Engine.from_pretrained(args.draft).target
+    draft = load_model(args.draft)
     tokenizer, target = base.tokenizer, base.target
     prompts = heldout_chat_prompts(tokenizer, args.prompts, max_tokens=256)
     V = target.config.vocab_size
@@ -89,9 +91,11 @@ def main():
 
     target_step, draft_step = step_time(target), step_time(draft)
     samples = {}
+    sampler = engines[4 if 4 in engines else args.gammas[-1]]
     for text in SAMPLES:
-        prompt = engines[4].chat_prompt([{"role": "user", "content": text}])
-        samples[text] = engines[4].generate([prompt], SamplingParams(max_new_tokens=160, temperature=0))[0].text
+        prompt = sampler.chat_prompt([{"role": "user", "content": text}])
+        samples[text] = sampler.generate([prompt], SamplingParams(max_new_tokens=args.sample_tokens,
+                                                                  temperature=0))[0].text
     training = json.loads((args.draft / "training.json").read_text())
     report = dict(date=datetime.date.today().isoformat(), machine=f"{platform.machine()} CPU, "
                   f"{torch.get_num_threads()} threads", torch=torch.__version__, prompts=len(prompts),
@@ -150,7 +154,7 @@ every configuration interleaved prompt by prompt. Target-only: {base0['tokens_pe
 Every greedy speculative output equal to target-only: {all(row.get('greedy_equals_target_only', True)
                                                           for row in r['results']['T=0'].values())}.
 
-## Answers (greedy, gamma 4: SmolLM2's own answers)
+## Answers (greedy, speculative: SmolLM2's own answers)
 
 {samples}
 """

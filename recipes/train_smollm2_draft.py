@@ -10,10 +10,12 @@ once and reused:
                split by file (recipes/train_pair.py's split; the held-out files are never used)
   2. teach     the target answers the prompts (half greedy, half sampled at T=1); at every
                position its top-k log-probabilities are kept, in resumable shards
-  3. train     a 2-layer, d=256 Llama (embedding from a PCA of the target's, tied head) on the
+  3. held out  the teacher's answers to 64 held-out prompts, for the draft's held-out loss and
+               agreement (logged at every checkpoint, against the training tokens seen)
+  4. train     a 2-layer, d=256 Llama (embedding from a PCA of the target's, tied head) on the
                teacher's top-k (soft cross-entropy) plus the tokens themselves, epochs over the
                shards, cosine learning rate over the wall-clock budget, resumable
-  4. export    a bfloat16 Hugging Face folder (no tokenizer files: it is the target's) whose head
+  5. export    a bfloat16 Hugging Face folder (no tokenizer files: it is the target's) whose head
                scores only the 8192 ids the teacher used most (q = 0 elsewhere, still lossless):
                the 49152-wide head was most of a draft step
 Measure it with recipes/evaluate_smollm2_draft.py (alpha at gamma 1..8, c, the model card).
@@ -124,9 +126,7 @@ def stage_teach(work: Path, target_dir: Path, prompts: list[dict], minutes: floa
         temperature = 0.0 if (state["next_prompt"] // batch) % 2 == 0 else 1.0
         rows = teach_batch(teacher, [p["ids"] for p in chunk], max_new, temperature, eos, generator)
         shard = work / f"teach-{len(shards):05d}.npz"
-        np.savez(shard, tokens=np.concatenate([r[0] for r in rows]),
-                 lengths=np.array([len(r[0]) for r in rows]), prompt_lengths=np.array([len(p["ids"]) for p in chunk]),
-                 top_ids=np.concatenate([r[1] for r in rows]), top_logp=np.concatenate([r[2] for r in rows]))
+        save_shard(shard, chunk, rows)
         shards.append(shard)
         state["next_prompt"] += len(chunk)
         state["elapsed"] += time.time() - t0
@@ -136,6 +136,57 @@ def stage_teach(work: Path, target_dir: Path, prompts: list[dict], minutes: floa
         print(f"teach: {state['next_prompt']} prompts, {state['tokens']} tokens ({state['generated']} generated), "
               f"{state['elapsed'] / 60:.1f} min, {state['tokens'] / state['elapsed']:.0f} tok/s", flush=True)
     return shards
+
+
+def save_shard(path: Path, prompts: list[dict], rows):
+    np.savez(path, tokens=np.concatenate([r[0] for r in rows]), lengths=np.array([len(r[0]) for r in rows]),
+             prompt_lengths=np.array([len(p["ids"]) for p in prompts]),
+             top_ids=np.concatenate([r[1] for r in rows]), top_logp=np.concatenate([r[2] for r in rows]))
+
+
+def stage_heldout(work: Path, target_dir: Path, prompts: list[dict], device, max_new: int, eos: set[int],
+                  count: int = 64) -> list[Path]:
+    """The teacher's answers to held-out prompts (greedy, then sampled): the draft's held-out loss
+    and agreement are measured on them, never trained on."""
+    from specengine.models import load_model
+
+    paths = [work / "heldout-greedy.npz", work / "heldout-sampled.npz"]
+    if all(p.is_file() for p in paths):
+        return paths
+    teacher = load_model(target_dir, device, weight_dtype="float32" if device.type == "cpu" else None)
+    generator = torch.Generator(device=device).manual_seed(12345)
+    chosen = prompts[:count]
+    for path, temperature in zip(paths, (0.0, 1.0)):
+        rows = []
+        for i in range(0, len(chosen), 32):
+            rows += teach_batch(teacher, [p["ids"] for p in chosen[i: i + 32]], max_new, temperature, eos, generator)
+        save_shard(path, chosen, rows)
+    return paths
+
+
+@torch.no_grad()
+def heldout_metrics(model, heldout: list[Path], device, seq_cap: int = 512) -> dict:
+    """On the teacher's held-out answers (generated positions only): the draft's cross-entropy on
+    the teacher's tokens, and how often its argmax is the teacher's argmax (on the greedy answers
+    that is the acceptance rate of greedy drafting at gamma 1)."""
+    model.eval()
+    out = {}
+    for path in heldout:
+        seqs = load_shards([path])
+        ce_sum = agree = count = 0.0
+        for i in range(0, len(seqs), 8):
+            x, y, top_ids, _, weight = (t.to(device) for t in collate(seqs[i: i + 8], seq_cap, 0.0))
+            logits = model(x).logits.float()
+            gen = weight > 0
+            ce = F.cross_entropy(logits[gen], y[gen], reduction="sum")
+            ce_sum += ce.item()
+            agree += (logits.argmax(-1) == top_ids[..., 0])[gen].float().sum().item()
+            count += gen.sum().item()
+        kind = path.stem.split("-")[1]
+        out[f"heldout_loss_{kind}"] = round(ce_sum / count, 4)
+        out[f"heldout_top1_agreement_{kind}"] = round(agree / count, 4)
+    model.train()
+    return out
 
 
 # ---- 3. the draft ----------------------------------------------------------------------------
@@ -215,7 +266,7 @@ def collate(batch, seq_cap: int, prompt_weight: float):
     return x, y, top_ids, top_p, weight
 
 
-def stage_train(work: Path, target_dir: Path, shards, minutes: float, device, vocab: int, eos: int,
+def stage_train(work: Path, target_dir: Path, shards, heldout, minutes: float, device, vocab: int, eos: int,
                 bos: int | None, max_tokens: int, lr: float, kd_weight: float, prompt_weight: float,
                 seq_cap: int = 512):
     from tqdm import tqdm
@@ -268,6 +319,10 @@ def stage_train(work: Path, target_dir: Path, shards, minutes: float, device, vo
         bar.update(int(state["elapsed"]) - bar.n)
         bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree:.3f}", tok_s=f"{int((weight > 0).sum()) / dt:.0f}")
         if time.time() - last_save > 300 or state["elapsed"] >= budget:
+            # Held-out metrics against the training tokens seen so far (outside the clock).
+            state["heldout"] = heldout_metrics(model, heldout, device)
+            with open(work / "draft_heldout.jsonl", "a") as f:
+                f.write(json.dumps(dict(step=state["step"], train_tokens=state["tokens"], **state["heldout"])) + "\n")
             torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), state=state), ckpt)
             last_save = time.time()
     bar.close()
@@ -346,7 +401,9 @@ def main():
     eos = {target_cfg["eos_token_id"], tokenizer.eos_token_id}
     shards = stage_teach(args.work, target_dir, prompts["train"], args.teach_minutes, device, args.teach_batch,
                          args.max_new, eos)
-    model, state = stage_train(args.work, target_dir, shards, args.train_minutes, device, target_cfg["vocab_size"],
+    heldout = stage_heldout(args.work, target_dir, prompts["heldout"], device, args.max_new, eos)
+    model, state = stage_train(args.work, target_dir, shards, heldout, args.train_minutes, device,
+                               target_cfg["vocab_size"],
                                tokenizer.eos_token_id, target_cfg.get("bos_token_id"), args.batch_tokens, args.lr,
                                args.kd_weight, args.prompt_weight)
     teach = json.loads((args.work / "teach_state.json").read_text())
@@ -355,6 +412,7 @@ def main():
                 teacher_tokens=teach["tokens"], teacher_generated_tokens=teach["generated"],
                 teach_minutes=teach["elapsed"] / 60, train_minutes=state["elapsed"] / 60,
                 train_steps=state["step"], train_tokens=state["tokens"], shape=DRAFT_SHAPE, top_k=TOP_K,
+                heldout_prompts=64, **state.get("heldout", {}),
                 kd_weight=args.kd_weight, lr=args.lr, output_vocab=args.output_vocab or target_cfg["vocab_size"],
                 date=time.strftime("%Y-%m-%d"))
     output_ids = None

@@ -38,6 +38,7 @@ from .drafters.model import ModelDrafter
 from .drafters.ngram import NgramDrafter
 from .engine import Engine
 from .engine.gamma import expected_ops_ratio, measure_costs, predicted_speedup
+from .models import load_model
 from .sampling.params import SamplingParams
 from .corpus import heldout_chat_prompts
 from .shipped import heldout_prompts
@@ -198,7 +199,7 @@ def run_benchmark(options: BenchOptions) -> Path:
 
     engine = Engine.from_pretrained(options.target)
     target, tokenizer = engine.target, engine.tokenizer
-    draft = Engine.from_pretrained(options.draft).target
+    draft = load_model(options.draft)  # a draft folder may lack tokenizer files (it uses the target's)
     V = target.config.vocab_size
     hf = AutoModelForCausalLM.from_pretrained(options.target, dtype=torch.float32).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(options.draft, dtype=torch.float32).eval()

@@ -186,6 +186,13 @@ def test_convert_cli(smollm2, tmp_path, capsys):
     assert main(["convert", str(tmp_path / "missing.gguf"), str(tmp_path / "out2")]) == 2
     assert "missing.gguf does not exist" in capsys.readouterr().err
     assert not (tmp_path / "out2").exists()
+    # generate straight from the file, and from the folder it became: the same greedy tokens
+    runs = []
+    for target in (smollm2, tmp_path / "out"):
+        assert main(["generate", "--target", str(target), "--prompt", "def add(a, b):", "--temperature", "0",
+                     "--max-new-tokens", "6", "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert runs[0] == runs[1] and len(runs[0]) == 6
 
 
 # ---- bad files ---------------------------------------------------------------------------------

@@ -245,6 +245,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, progress: bool = True) -
         generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
         (work / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         tokenizer.save_pretrained(str(work))
+        os.chmod(work, 0o755)  # mkdtemp made it private
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(work, out_dir)
