@@ -43,7 +43,7 @@ from .engine.gamma import expected_ops_ratio, measure_costs, predicted_speedup
 from .models import load_model
 from .sampling.params import SamplingParams
 from .corpus import heldout_chat_prompts
-from .shipped import heldout_prompts
+from .shipped import cache_dir, heldout_prompts
 
 NGRAM_GAMMA = 4  # the n-gram drafter's gamma, and the gamma of the paper's Table 3 view
 
@@ -215,10 +215,11 @@ def run_benchmark(options: BenchOptions) -> Path:
         from .models.gguf import requantize_gguf
 
         n_ctx = max(len(p) for p in prompts) + options.new_tokens + 8
-        bf16 = options.out_dir / f"{options.gguf.stem}.bf16.gguf"
+        bf16 = cache_dir() / f"{options.gguf.stem}.bf16.gguf"  # made once, beside the converted models
         if not bf16.is_file():
-            options.out_dir.mkdir(parents=True, exist_ok=True)
-            requantize_gguf(options.gguf, bf16, "BF16")
+            bf16.parent.mkdir(parents=True, exist_ok=True)
+            requantize_gguf(options.gguf, bf16.with_suffix(".tmp"), "BF16")
+            bf16.with_suffix(".tmp").rename(bf16)
         peers = {"bf16": LlamaCpp(bf16, n_ctx), "bf16-lookup": LlamaCpp(bf16, n_ctx, lookup=True)}
     elif options.gguf is not None:
         print("llama-cpp-python is not installed: no llama.cpp rows (pip install 'specengine[llamacpp]')")
