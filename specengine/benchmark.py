@@ -135,8 +135,9 @@ def eager_decode(model, prompt_batch: list[list[int]], new_tokens: int, temperat
 @torch.inference_mode()
 def hf_decode(hf, prompt_batch, new_tokens, temperature, assistant=None) -> list[list[int]]:
     ids = torch.tensor(prompt_batch)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                  attention_mask=torch.ones_like(ids))
+    # No EOS at all, as ignore_eos in our runs: min_new_tokens would instead forbid EOS, and pick
+    # another token wherever EOS is the argmax (chat answers end within 64 tokens).
+    kwargs = dict(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
     if temperature == 0:
         kwargs.update(do_sample=False)
     else:
