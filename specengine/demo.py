@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--gamma", type=int, default=2, help="draft tokens per round (2 was best for this pair)")
     args = parser.parse_args(argv)
 
     target_dir, draft_dir = default_pair()
