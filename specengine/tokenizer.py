@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .models.loader import is_gguf
+
 
 class TokenizerMismatchError(ValueError):
     """Target and draft do not share one vocabulary."""
@@ -12,7 +14,7 @@ def load_tokenizer(folder: str | Path):
     """The tokenizer of a checkpoint folder, or of a GGUF file's metadata."""
     from transformers import AutoTokenizer
 
-    if Path(folder).suffix.lower() == ".gguf":
+    if is_gguf(folder):
         from .models.gguf import gguf_tokenizer
 
         return gguf_tokenizer(folder)
@@ -28,7 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def has_tokenizer(path: str | Path) -> bool:
     """Whether a checkpoint carries a tokenizer (a GGUF file always does)."""
     path = Path(path)
-    return path.suffix.lower() == ".gguf" or any((path / name).is_file() for name in TOKENIZER_FILES)
+    return is_gguf(path) or any((path / name).is_file() for name in TOKENIZER_FILES)
 
 
 def check_same_vocabulary(target_tok, draft_tok, target_dir, draft_dir):

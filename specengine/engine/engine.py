@@ -34,6 +34,20 @@ log = logging.getLogger("specengine")
 Prompt = str | bytes | Sequence[int]
 
 
+def _utf8_text(text: str | bytes | bytearray) -> str:
+    """Text that is valid UTF-8, as a str, or a ValueError saying where it is not."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            return text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompt is not valid UTF-8: byte {e.start} ({text[e.start:e.start + 1]!r})") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # lone surrogates, e.g. undecodable bytes from argv
+        raise ValueError(f"prompt is not valid UTF-8: character {e.start} is {text[e.start]!r}, not text") from None
+    return text
+
+
 class Engine:
     """Generates with a target model, optionally speculating with a drafter; lossless either way."""
 
@@ -205,7 +219,7 @@ class Engine:
                                    for m in messages):
             raise ValueError("chat messages must be a non-empty list of {'role': ..., 'content': str} dicts")
         for m in messages:
-            self._encode(m["content"]) if m["content"] else None  # the same text checks as a prompt
+            _utf8_text(m["content"])
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
                                                  return_dict=False)
         return list(ids)
@@ -213,17 +227,8 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------
 
     def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, (bytes, bytearray)):
-            try:
-                prompt = prompt.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"prompt is not valid UTF-8: byte {e.start} ({prompt[e.start:e.start + 1]!r})") from None
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # lone surrogates, e.g. undecodable bytes from argv
-                raise ValueError(f"prompt is not valid UTF-8: character {e.start} is "
-                                 f"{prompt[e.start]!r}, not text") from None
+        if isinstance(prompt, (str, bytes, bytearray)):
+            prompt = _utf8_text(prompt)
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
             if not prompt:

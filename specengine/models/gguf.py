@@ -43,10 +43,6 @@ class GGUFError(CheckpointError):
     """A GGUF file is unreadable, truncated, or holds something this engine does not run."""
 
 
-def is_gguf(path: str | Path) -> bool:
-    return Path(path).suffix.lower() == ".gguf"
-
-
 def open_gguf(path: str | Path):
     """A gguf.GGUFReader over `path`, with every tensor's data checked to lie inside the file."""
     try:

@@ -94,6 +94,11 @@ def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: str
     return model
 
 
+def is_gguf(path: str | Path) -> bool:
+    """A GGUF file is told apart by its name, as llama.cpp's tools do."""
+    return Path(path).suffix.lower() == ".gguf"
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                weight_dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
     """A Hugging Face checkpoint folder, or a GGUF file (models.gguf; its weights dequantized
@@ -101,7 +106,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     dtype: the compute dtype (None: float32 on CPU, the checkpoint's on GPU).
     weight_dtype: the matrices' storage dtype (None: see resolve_weight_dtype)."""
     path = Path(path)
-    if path.suffix.lower() == ".gguf":
+    if is_gguf(path):
         from .gguf import gguf_config, gguf_tensors, open_gguf
 
         reader = open_gguf(path)
