@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from specengine.corpus import is_held_out, read, stdlib_files
 
+from resumable import resume, save, set_lr
+
 ROOT = Path(__file__).resolve().parent.parent
 EOS = "<|endoftext|>"
 SHAPES = {
@@ -126,12 +128,7 @@ def train(kind: str, work: Path, data, vocab_size: int, eos: int, minutes: float
     ckpt = work / f"{name}.pt"  # our own training state, written and read only by this script
     model = make_model(kind, vocab_size, eos).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    state = dict(step=0, elapsed=0.0, tokens=0)
-    if ckpt.is_file():
-        saved = torch.load(ckpt, map_location=device, weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state = saved["state"]
+    state = resume(ckpt, model, opt, device)
     budget = minutes * 60
     if state["elapsed"] >= budget:
         return model, state
@@ -142,10 +139,7 @@ def train(kind: str, work: Path, data, vocab_size: int, eos: int, minutes: float
     last_save = time.time()
     while state["elapsed"] < budget:
         t0 = time.time()
-        frac = state["elapsed"] / budget
-        warm = min(1.0, (state["step"] + 1) / 100)
-        for group in opt.param_groups:
-            group["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        set_lr(opt, lr, state, budget, warmup_steps=100, floor=0.1)
         xy = next(stream).to(device)
         x, y = xy[:, :-1], xy[:, 1:]
         with autocast(device):
@@ -168,7 +162,7 @@ def train(kind: str, work: Path, data, vocab_size: int, eos: int, minutes: float
         bar.update(int(state["elapsed"]) - bar.n)
         bar.set_postfix(loss=f"{ce.item():.3f}", tok_s=f"{x.numel() / dt:.0f}")
         if time.time() - last_save > 300 or state["elapsed"] >= budget:
-            torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), state=state), ckpt)
+            save(ckpt, model, opt, state)
             last_save = time.time()
     bar.close()
     log.close()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from specengine.corpus import code_prompts, encode_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "recipes"))
+from resumable import resume, save, set_lr  # noqa: E402
 
 TOP_K = 20
 DRAFT_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -274,12 +276,7 @@ def stage_train(work: Path, target_dir: Path, shards, heldout, minutes: float, d
     ckpt = work / "draft.pt"  # this recipe's own training state, read back with weights_only=True
     model = make_draft(target_dir, vocab, eos, bos).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    state = dict(step=0, elapsed=0.0, tokens=0)
-    if ckpt.is_file():
-        saved = torch.load(ckpt, map_location=device, weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state = saved["state"]
+    state = resume(ckpt, model, opt, device)
     budget = minutes * 60
     if state["elapsed"] >= budget:
         return model, state
@@ -292,10 +289,7 @@ def stage_train(work: Path, target_dir: Path, shards, heldout, minutes: float, d
     last_save = time.time()
     while state["elapsed"] < budget:
         t0 = time.time()
-        frac = state["elapsed"] / budget
-        warm = min(1.0, (state["step"] + 1) / 50)
-        for group in opt.param_groups:
-            group["lr"] = lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        set_lr(opt, lr, state, budget, warmup_steps=50, floor=0.05)
         x, y, top_ids, top_p, weight = (t.to(device) for t in collate(next(stream), seq_cap, prompt_weight))
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(x).logits.float()
@@ -323,7 +317,7 @@ def stage_train(work: Path, target_dir: Path, shards, heldout, minutes: float, d
             state["heldout"] = heldout_metrics(model, heldout, device)
             with open(work / "draft_heldout.jsonl", "a") as f:
                 f.write(json.dumps(dict(step=state["step"], train_tokens=state["tokens"], **state["heldout"])) + "\n")
-            torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), state=state), ckpt)
+            save(ckpt, model, opt, state)
             last_save = time.time()
     bar.close()
     log.close()
