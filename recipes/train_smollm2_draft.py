@@ -105,20 +105,24 @@ def teach_batch(teacher, prompts: list[list[int]], max_new: int, temperature: fl
     return out
 
 
+def load_teacher(target_dir: Path, device):
+    from specengine.models import load_model
+
+    # Float32 matrices on a CPU: a batch's products then run as float32 GEMMs, about twice the
+    # tokens/s of the bfloat16 whole-layer kernels (made for one row) at 16-32 rows here.
+    return load_model(target_dir, device, weight_dtype="float32" if device.type == "cpu" else None)
+
+
 def stage_teach(work: Path, target_dir: Path, prompts: list[dict], minutes: float, device, batch: int,
                 max_new: int, eos: set[int]):
     """Shards of teacher data until the budget is spent; a re-run continues after the last shard."""
-    from specengine.models import load_model
-
     shards = sorted(work.glob("teach-*.npz"))
     state_path = work / "teach_state.json"
     state = json.loads(state_path.read_text()) if state_path.is_file() else dict(next_prompt=0, elapsed=0.0,
                                                                                tokens=0, generated=0)
     if state["elapsed"] >= minutes * 60 or state["next_prompt"] >= len(prompts):
         return shards
-    # Float32 matrices on a CPU: a batch's products then run as float32 GEMMs, about twice the
-    # tokens/s of the bfloat16 whole-layer kernels (made for one row) at 16-32 rows here.
-    teacher = load_model(target_dir, device, weight_dtype="float32" if device.type == "cpu" else None)
+    teacher = load_teacher(target_dir, device)
     generator = torch.Generator(device=device).manual_seed(len(shards))
     while state["elapsed"] < minutes * 60 and state["next_prompt"] < len(prompts):
         t0 = time.time()
@@ -150,12 +154,10 @@ def stage_heldout(work: Path, target_dir: Path, prompts: list[dict], device, max
                   count: int = 64) -> list[Path]:
     """The teacher's answers to held-out prompts (greedy, then sampled): the draft's held-out loss
     and agreement are measured on them, never trained on."""
-    from specengine.models import load_model
-
     paths = [work / "heldout-greedy.npz", work / "heldout-sampled.npz"]
     if all(p.is_file() for p in paths):
         return paths
-    teacher = load_model(target_dir, device, weight_dtype="float32" if device.type == "cpu" else None)
+    teacher = load_teacher(target_dir, device)
     generator = torch.Generator(device=device).manual_seed(12345)
     chosen = prompts[:count]
     for path, temperature in zip(paths, (0.0, 1.0)):
@@ -305,13 +307,13 @@ def stage_train(work: Path, target_dir: Path, shards, heldout, minutes: float, d
         with torch.no_grad():
             gen = weight == 1.0
             agree = (logits.argmax(-1) == top_ids[..., 0])[gen].float().mean().item()
-        dt = time.time() - t0
+        dt, positions = time.time() - t0, int((weight > 0).sum())
         state["step"] += 1
         state["elapsed"] += dt
-        state["tokens"] += int((weight > 0).sum())
+        state["tokens"] += positions
         log.write(f"{state['step']},{state['elapsed']:.1f},{state['tokens']},{loss.item():.4f},{agree:.4f}\n")
         bar.update(int(state["elapsed"]) - bar.n)
-        bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree:.3f}", tok_s=f"{int((weight > 0).sum()) / dt:.0f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", agree=f"{agree:.3f}", tok_s=f"{positions / dt:.0f}")
         if time.time() - last_save > 300 or state["elapsed"] >= budget:
             # Held-out metrics against the training tokens seen so far (outside the clock).
             state["heldout"] = heldout_metrics(model, heldout, device)
@@ -334,7 +336,7 @@ def frequent_ids(shards, count: int, always: set[int]) -> torch.Tensor:
         c = np.bincount(seen)
         counts = np.pad(counts, (0, max(0, len(c) - len(counts))))
         counts[: len(c)] += c
-    order = [i for i in sorted(always)] + [int(i) for i in np.argsort(-counts, kind="stable") if i not in always]
+    order = sorted(always) + [int(i) for i in np.argsort(-counts, kind="stable") if i not in always]
     return torch.tensor(sorted(order[:count]), dtype=torch.int64)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import itertools
 import json
 import platform
 import statistics
@@ -166,12 +167,8 @@ class LlamaCpp:
             # Every warp off but the temperature, and no repetition penalty: the plain distribution.
             tokens = self.llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
                                        repeat_penalty=1.0, reset=True)
-            out = []
-            for token in tokens:  # EOS is one more token here: we stop at new_tokens, as ignore_eos
-                out.append(token)
-                if len(out) == new_tokens:
-                    break
-            outputs.append(out)
+            # generate() never stops on its own (EOS is one more token): new_tokens, as ignore_eos
+            outputs.append(list(itertools.islice(tokens, new_tokens)))
         return outputs
 
 

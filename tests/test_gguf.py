@@ -32,11 +32,11 @@ TYPE_SETS = {
 TOKENS = [[3, 17, 250, 9, 9, 42, 101, 7, 0, 299, 5, 64]]
 
 
-def tiny_hf(case: str, seed: int = 0):
+def tiny_hf(case: str, seed: int = 0, **changes):
     arch, overrides = ARCHS[case]
     # Rows of 256: the K-quants' block length.
     cfg = make_config(arch, vocab_size=300, hidden_size=256, num_layers=2, intermediate_size=512,
-                      **{"num_heads": 4, "num_kv_heads": 2, **overrides})
+                      **{"num_heads": 4, "num_kv_heads": 2, **overrides, **changes})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -87,14 +87,9 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
     """llama.cpp keeps Llama 3.1's rope scaling as a rope_freqs tensor of divisors, not metadata."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf = tiny_hf("llama")
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    hf.config.rope_parameters = rope
-    hf = AutoModelForCausalLM.from_config(hf.config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.08) if p.ndim > 1 else p.uniform_(0.5, 1.5)
+    hf = tiny_hf("llama", rope_parameters=rope)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config)
     dim = hf.config.head_dim
     plain = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)

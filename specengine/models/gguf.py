@@ -93,8 +93,7 @@ def gguf_config(reader, path: str | Path) -> dict:
         vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
     cfg = {
         "architectures": [architecture],
-        "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[architecture],
+        "model_type": "mistral" if architecture == "MistralForCausalLM" else arch,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
@@ -160,6 +159,11 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
+def _array_shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in row-major order (GGUF lists the fastest dimension first)."""
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
 def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter reorders each head's q/k rows from halves (transformers' rotary) to
     interleaved pairs (its own); this puts them back."""
@@ -184,7 +188,7 @@ def gguf_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[str, np.
             raise GGUFError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which the gguf package "
                             "cannot dequantize") from None
         # A copy: unquantized tensors come back as read-only views of the mapped file.
-        weights = np.array(weights, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+        weights = np.array(weights, dtype=np.float32).reshape(_array_shape(t))
         if permute and name.endswith("q_proj.weight"):
             weights = _unpermute(weights, cfg["num_attention_heads"])
         elif permute and name.endswith("k_proj.weight"):
@@ -273,7 +277,7 @@ def requantize_gguf(path: str | Path, out: str | Path, type_name: str = "BF16") 
         if len(t.shape) < 2 or t.tensor_type == qtype:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
             continue
-        rows = dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+        rows = dequantize(t.data, t.tensor_type).reshape(_array_shape(t))
         writer.add_tensor(t.name, quantize(np.ascontiguousarray(rows, dtype=np.float32), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
