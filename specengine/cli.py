@@ -3,8 +3,9 @@
   specengine generate ...  streams text to stdout and one statistics line to stderr
   specengine bench ...     end-to-end speed against Hugging Face and eager PyTorch (see benchmark.py)
   specengine convert F D   writes GGUF file F as a Hugging Face folder D (bfloat16 safetensors)
+  specengine serve ...     an OpenAI-compatible HTTP server (needs the `serve` extra)
 
-With no --target, generate and bench use the default pair (specengine.default_pair):
+With no --target, generate, bench and serve use the default pair (specengine.default_pair):
 SmolLM2-135M-Instruct and its distilled draft.
 """
 from __future__ import annotations
@@ -82,6 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out-dir", default=".", help="where e2e-<date>.csv and .png go (default: here)")
     bench.add_argument("--no-plot", action="store_true", help="no PNG")
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/completions, /v1/chat/completions "
+                                         "(streamed as server-sent events), /v1/models, /health")
+    serve.add_argument("--target", help="local Hugging Face folder or GGUF file of the target model "
+                                        "(default: the default pair, target and draft)")
+    serve.add_argument("--draft", help="local Hugging Face folder or GGUF file of the draft model "
+                                       "(none: target-only)")
+    serve.add_argument("--drafter", choices=("model", "ngram"), default="model",
+                       help="draft with the --draft model, or by prompt lookup (ngram)")
+    serve.add_argument("--gamma", type=_gamma, default="auto",
+                       help="draft tokens per round, or 'auto' (default) to choose it each round as the batch changes")
+    serve.add_argument("--max-gamma", type=int, default=8, help="the most drafts gamma='auto' may choose")
+    serve.add_argument("--max-batch-size", type=int, default=8,
+                       help="requests decoding at once (default 8); the others wait in arrival order")
+    serve.add_argument("--max-seq-len", type=int, help="context per request (default: the model's)")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype")
+    serve.add_argument("--weight-dtype", choices=("float32", "bfloat16", "float16"),
+                       help="storage of the weight matrices")
+    serve.add_argument("--cuda-graphs", action="store_true", help="fixed-shape steps replayed from CUDA graphs")
+    serve.add_argument("--check-every", type=int, default=1, metavar="N",
+                       help="with --cuda-graphs: up to N rounds between reads from the device")
+    serve.add_argument("--served-model-name", help="the model's name in the API (default: the target's file name)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
     convert = sub.add_parser("convert", help="write a GGUF file as a Hugging Face folder (config.json, "
                                              "bfloat16 model.safetensors, tokenizer with its chat template)")
     convert.add_argument("gguf", help="the .gguf file")
@@ -112,17 +139,48 @@ def bench(args) -> int:
     return 0
 
 
+def serve(args) -> int:
+    from pathlib import Path
+
+    try:
+        import uvicorn
+
+        from .server.app import create_app
+    except ImportError as e:
+        raise ValueError(f"serve needs fastapi and uvicorn: pip install 'specengine[serve]' ({e})") from None
+    from .engine import AsyncEngine, Engine
+
+    target, draft = args.target, args.draft
+    if target is None:
+        target, default_draft = default_pair()
+        if draft is None and args.drafter == "model":
+            draft = default_draft
+    engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma, max_gamma=args.max_gamma,
+                                    device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype,
+                                    max_seq_len=args.max_seq_len, cuda_graphs=args.cuda_graphs,
+                                    max_batch_size=args.max_batch_size, check_every=args.check_every)
+    if engine.tokenizer is None:
+        raise ValueError(f"{target} has no tokenizer: the server takes and returns text")
+    name = args.served_model_name or Path(target).name.removesuffix(".gguf")
+    app = create_app(AsyncEngine(engine), name)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("bench", "convert"):
+    if args.command in ("bench", "convert", "serve"):
         try:
             if args.command == "bench":
                 return bench(args)
+            if args.command == "serve":
+                return serve(args)
             from .models.gguf import convert_gguf
 
             print(f"wrote {convert_gguf(args.gguf, args.out_dir)}")
             return 0
-        except (ValueError, FileNotFoundError, FileExistsError) as e:
+        except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
             print(f"specengine: error: {e}", file=sys.stderr)
             return 2
     from .engine import Engine  # after argument parsing, so --help stays fast

@@ -150,11 +150,14 @@ def test_nan_draft_logits_are_reported_before_any_token_is_kept():
     with torch.no_grad():
         draft.lm_head.weight[3, 0] = float("nan")
     engine = Engine(target, drafter=ModelDrafter(draft, 32, 32), gamma=3)
-    (request,) = engine._make_requests([[1, 2]], SamplingParams(max_new_tokens=8))
+    engine.add_request([1, 2], SamplingParams(max_new_tokens=8), request_id="broken")
     with pytest.raises(InvalidLogitsError, match="draft logits contain NaN"):
-        for _ in engine._run([request]):
-            pass
-    assert request.generated == []
+        engine.step()
+    # The failed round's request ended (its row freed) with nothing kept; the engine still serves.
+    (aborted,) = engine.step()
+    assert aborted.request_id == "broken" and aborted.finish_reason == "abort" and aborted.new_token_ids == []
+    assert "draft logits contain NaN" in aborted.message and not engine.has_unfinished_requests()
+    assert engine.num_running == 0 and Engine(target).generate([[1, 2]], SamplingParams(max_new_tokens=3))
 
 
 def test_different_tokenizers_are_refused(text_pair, tmp_path):
@@ -180,7 +183,7 @@ def test_padded_draft_vocabulary_is_accepted_and_never_proposes_padding(text_pai
     with torch.no_grad():
         padded.lm_head.weight[real:] = 0
         padded.lm_head.weight[real:, 0] = 100.0  # padding ids would dominate if not masked
-    engine.drafter = ModelDrafter(padded, draft_model.config.vocab_size, real)
+    engine = Engine(engine.target, engine.tokenizer, ModelDrafter(padded, draft_model.config.vocab_size, real))
     (r,) = engine.generate(["a = "], SamplingParams(max_new_tokens=10, seed=1))
     assert all(t < real for t in r.token_ids)
 

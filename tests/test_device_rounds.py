@@ -137,9 +137,11 @@ def test_drafter_state_after_a_block_serves_a_later_catch_up():
     model's on the whole sequence."""
     target, _ = models()
     blocks = engine(target, target, 64)  # the perfect draft: every round accepts all 3 drafts
-    (result,) = blocks.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, temperature=0.0))
-    assert result.stats.rounds == 3 and result.stats.accepted == 9  # one block of three full rounds
-    sequence = PROMPTS[0] + result.token_ids + [5, 6, 7]
+    # One step: a block of three full rounds (12 tokens); the request, one token short, keeps its row.
+    blocks.add_request(PROMPTS[0], SamplingParams(max_new_tokens=13, temperature=0.0))
+    (output,) = blocks.step()
+    assert not output.finished and output.stats.rounds == 3 and output.stats.accepted == 9
+    sequence = PROMPTS[0] + output.new_token_ids + [5, 6, 7]
     drafter = blocks.drafter
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)], [1], "cpu")
     with torch.inference_mode():

@@ -82,10 +82,15 @@ def test_static_engine_decodes_as_the_eager_engine_on_cpu():
     decode_both(eager, static)
 
 
-def test_static_engine_refuses_batches_past_its_rows():
-    _, static = engines("cpu")
-    with pytest.raises(ValueError, match="at most max_batch_size=4 rows"):
-        static.generate(PROMPTS + PROMPTS[:1])
+def test_static_engine_queues_requests_past_its_rows():
+    """Six requests on four rows: the last two wait for rows that free up, and every request gets
+    the tokens it gets in the eager engine's one batch of six."""
+    eager, static = engines("cpu")
+    prompts = PROMPTS + PROMPTS[:2]
+    params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=s) for s, n in enumerate([5, 9, 14, 7, 11, 6])]
+    want = [r.token_ids for r in eager.generate(prompts, params)]
+    assert [r.token_ids for r in static.generate(prompts, params)] == want
+    assert static.target_steps.cache.allocated_rows == 4
     with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
         Engine(tiny_model(V), cuda_graphs=True, max_batch_size=0)
 
@@ -134,7 +139,8 @@ def test_static_draft_phase_is_one_fixed_shape_computation_and_decodes_as_eager(
     # The first draft distribution of each row is the draft model's on its whole prompt.
     drafter, model = static.drafter, static.drafter.model
     sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * 3, [1, 2, 3], "cpu")
-    drafter.start(prompts, 32)
+    drafter.keep_rows([])  # rows of its own, not the engine's
+    drafter.add_rows(prompts, 32)
     with torch.inference_mode():  # as the engine runs (its static buffers are inference tensors)
         first = drafter.propose(prompts, [2, 2, 2], sampling).logits[:, 0]
         # as the eager path leaves it: the catch-up and one draft step fed, the last draft not
@@ -153,7 +159,8 @@ def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed(prefi
     _, static = engines("cpu")
     drafter, model = static.drafter, static.drafter.model
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)], [1], "cpu")
-    drafter.start([[1, 2, 3]], 32, prefill=prefill)  # caches [1, 2], or nothing
+    drafter.keep_rows([])
+    drafter.add_rows([[1, 2, 3]], 32, prefill=prefill)  # caches [1, 2], or nothing
     assert drafter.cache_lengths.tolist() == [2 if prefill else 0]
     sequence = [1, 2, 3, 5, 6, 7]  # three target-only rounds later: 4 tokens to catch up on
     with torch.no_grad():
@@ -172,7 +179,8 @@ def test_eager_draft_steps_see_their_whole_prefix_and_name_their_keys():
     drafter = ModelDrafter(model, V, V)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [7, 7], [3, 9, 27, 1]]
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)] * 3, [1, 2, 3], "cpu")
-    drafter.start(prompts, 32)
+    drafter.keep_rows([])  # rows of its own, not the engine's
+    drafter.add_rows(prompts, 32)
     kv_lens, forward = [], model.forward
 
     def spy(tokens, start_pos, cache, kv_len=None):

@@ -5,6 +5,7 @@ from transformers import AutoModelForCausalLM
 
 from specengine.engine.runner import feed
 from specengine.models import load_model
+from specengine.models import llama
 from specengine.models.llama import Attention
 
 from conftest import ARCH_CASES
@@ -27,6 +28,8 @@ def load(case: str, layer_ops: str, checkpoint, monkeypatch):
         def per_op_path(*args):
             raise AssertionError("the whole-layer op was not taken")
         monkeypatch.setattr(Attention, "forward", per_op_path)
+        # at any row count (the model leaves prefill-sized calls to GEMMs, tested below)
+        monkeypatch.setattr(llama, "GEMM_ROWS", 10**9)
     return hf, ours
 
 
@@ -54,6 +57,25 @@ def test_prefill_matches_transformers_on_ragged_batch(case, layer_ops, checkpoin
         logits = ours.logits(ours(tokens, torch.zeros(B, dtype=torch.int64), cache))
     for b, s in enumerate(sequences):
         torch.testing.assert_close(logits[b, : len(s)], hf_logits(hf, s), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["llama3-rope-gqa", "qwen3-qk-norm-tied"])
+def test_a_prefill_of_many_rows_takes_gemms_on_widened_weights_and_matches_transformers(case, checkpoint, monkeypatch):
+    """From GEMM_ROWS rows on, a bfloat16 checkpoint's products are float32 GEMMs on widened weights
+    (the per-op path), not the few-row C++ op."""
+    from specengine.layers import linear
+
+    ours = load_model(checkpoint(case, torch.bfloat16))
+    few_row_calls = []
+    few_row_op = linear.linear_bf16_weight_cpp
+    monkeypatch.setattr(linear, "linear_bf16_weight_cpp", lambda *a: few_row_calls.append(a) or few_row_op(*a))
+    sequence = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = ours.new_cache(1, 48)
+    with torch.no_grad():
+        logits = ours.logits(ours(torch.tensor([sequence]), torch.zeros(1, dtype=torch.int64), cache))
+    assert few_row_calls == []
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint(case, torch.bfloat16), dtype=torch.float32).eval()
+    torch.testing.assert_close(logits[0], hf_logits(hf, sequence), atol=ATOL, rtol=0)
 
 
 @LAYER_OPS

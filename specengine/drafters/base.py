@@ -25,9 +25,10 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    def start(self, prompts: list[list[int]], capacity: int, prefill: bool = True) -> None:
-        """Begin a batch: one row per prompt, contexts of at most `capacity` tokens. prefill=False:
-        leave the prompts to the first proposal (gamma="auto" may never draft for a request)."""
+    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True) -> None:
+        """Append a row per prompt after the rows in flight (requests that joined the batch), for
+        contexts of at most `capacity` tokens. prefill=False: leave the prompts to the rows' first
+        proposal (gamma="auto" may never draft for a request)."""
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         """Up to budgets[b] draft tokens to follow sequences[b] (max(budgets) >= 1)."""
@@ -38,4 +39,4 @@ class Drafter(Protocol):
         them to min(themselves, the target's new length): drafts past a rejection are forgotten."""
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only these rows (in this order); the others finished."""
+        """Keep only these rows (in this order); the others' requests have left."""

@@ -29,15 +29,18 @@ class ModelDrafter:
         """Run draft steps on a persistent cache through StepGraphs (CUDA graphs on a GPU)."""
         self.steps = StepGraphs(self.model, max_batch_size, capacity)
 
-    def start(self, prompts: list[list[int]], capacity: int, prefill: bool = True):
-        if self.steps is not None:
-            self.cache = self.steps.new_batch(len(prompts))
-        else:
-            self.cache = self.model.new_cache(len(prompts), capacity)
-        self.fed = [0] * len(prompts)
+    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True):
+        if self.cache is None:
+            if self.steps is not None:
+                self.cache = self.steps.new_batch(0)
+            else:
+                self.cache = self.model.new_cache(len(prompts), capacity)
+                self.cache.reset(0)
+        self.cache.reserve(self.cache.batch_size + len(prompts), capacity)
+        rows = self.cache.add_rows(len(prompts))
         if prefill:
-            feed(self.model, self.cache, [p[:-1] for p in prompts], cached=self.fed)
-            self.fed = [len(p) - 1 for p in prompts]
+            feed(self.model, rows, [p[:-1] for p in prompts], cached=[0] * len(prompts))
+        self.fed += [len(p) - 1 if prefill else 0 for p in prompts]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V_draft] -> [B, V_target], -inf on ids the draft must not propose."""
@@ -178,5 +181,7 @@ class ModelDrafter:
         return self.cache.lengths
 
     def keep_rows(self, rows: list[int]):
+        if self.cache is None:  # no rows yet
+            return
         self.cache.keep_rows(rows)
         self.fed = [self.fed[i] for i in rows]

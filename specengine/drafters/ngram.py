@@ -30,7 +30,7 @@ class NgramDrafter:
             raise ValueError(f"n-gram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def start(self, prompts: list[list[int]], capacity: int, prefill: bool = True):
+    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True):
         pass  # it reads the sequences themselves: nothing to prepare
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:

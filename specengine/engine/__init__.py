@@ -1,4 +1,5 @@
+from .async_engine import AsyncEngine
 from .engine import Engine
-from .request import DecodeStats, Result
+from .request import DecodeStats, RequestOutput, Result
 
-__all__ = ["DecodeStats", "Engine", "Result"]
+__all__ = ["AsyncEngine", "DecodeStats", "Engine", "RequestOutput", "Result"]

@@ -1,6 +1,9 @@
 """The speculative decoding loop (Leviathan et al. Algorithm 1) over a batch of requests.
 
-Each round, for the rows still running:
+Requests are added at any time (add_request) and join the running batch at a round boundary;
+step() runs one round for every running request and reports what each gained (RequestOutput);
+abort() ends one at once. generate() and stream() are loops over them. Each round, for the
+rows still running:
   1. the drafter proposes up to gamma tokens per row (fewer near a row's limits);
   2. the target scores [last token, drafts] in one forward at each row's cache length;
   3. verify accepts a prefix of the drafts and emits one more token per row;
@@ -12,6 +15,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+import uuid
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -25,9 +30,10 @@ from ..sampling.params import SamplingParams
 from .gamma import CostModel, GammaController, measure_costs
 from .device_rounds import RowRounds, rounds_that_fit, run_block
 from .graphs import StepGraphs
+from .batch import RunningBatch
 from .phases import Phases
-from .request import DecodeStats, Request, Result
-from .runner import feed, to_device
+from .request import DecodeStats, Request, RequestOutput, Result
+from .runner import to_device
 
 log = logging.getLogger("specengine")
 
@@ -48,6 +54,18 @@ def _utf8_text(text: str | bytes | bytearray) -> str:
     return text
 
 
+def _settled_length(text: str, stop: Sequence[str]) -> int:
+    """How much of a running request's text is final: all but an unfinished UTF-8 sequence (the
+    tokenizer's U+FFFD) and a tail that could still grow into a stop string."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    # The longest tail of text that is a proper prefix of a stop string.
+    held = max((k for s in stop for k in range(min(len(s) - 1, end), 0, -1) if text.endswith(s[:k], 0, end)),
+               default=0)
+    return end - held
+
+
 class Engine:
     """Generates with a target model, optionally speculating with a drafter; lossless either way."""
 
@@ -55,7 +73,7 @@ class Engine:
                  gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
                  verify_impl: str = "auto", max_gamma: int = 8,
                  costs: CostModel | dict[int, CostModel] | None = None, nvtx: bool = False,
-                 time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int = 8,
+                 time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int | None = None,
                  check_every: int = 1):
         """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma, one
         value for the batch) from costs measured now (or given as `costs`) and each request's
@@ -67,7 +85,9 @@ class Engine:
         last_run_rounds rounds of the batch.
         cuda_graphs: run the target's verifications and the draft model's steps as fixed-shape
         steps on persistent caches of max_batch_size rows (see engine.graphs), replayed from CUDA
-        graphs on a GPU; on a CPU the same path runs eagerly. Batches of more rows are refused.
+        graphs on a GPU; on a CPU the same path runs eagerly.
+        max_batch_size: the most requests decoding at once (default 8 with cuda_graphs, otherwise
+        no limit: the cache grows as requests join); the others wait in arrival order.
         check_every: with cuda_graphs, run up to this many rounds from device state before reading
         the results back (engine.device_rounds): one synchronisation per block instead of per
         round; output is streamed a block at a time, tokens are the same as round by round, and
@@ -109,9 +129,13 @@ class Engine:
             raise ValueError("check_every > 1 runs rounds from device state on the fixed-shape steps: "
                              "it needs cuda_graphs=True")
         self.check_every = check_every
+        if max_batch_size is None and cuda_graphs:
+            max_batch_size = 8
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool)
+                                           or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+        self.max_batch_size = max_batch_size
         if cuda_graphs:
-            if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
-                raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
             if target.device.type != "cuda":
                 log.info("cuda_graphs: %s is not a CUDA device; the fixed-shape steps run eagerly", target.device)
             self.target_steps = StepGraphs(target, max_batch_size, self.max_seq_len)
@@ -121,7 +145,7 @@ class Engine:
             # Measured on the path the rounds take (replayed graphs with cuda_graphs). Verification
             # costs grow with the batch on a CPU: measure a single row and a batch of 8 (or fewer).
             draft_model, draft_steps = getattr(drafter, "model", None), getattr(drafter, "steps", None)
-            batches = sorted({1, min(8, max_batch_size if cuda_graphs else 8)})
+            batches = sorted({1, min(8, max_batch_size or 8)})
             costs = costs or {b: measure_costs(target, draft_model, max_gamma, batch_size=b,
                                                target_steps=self.target_steps, draft_steps=draft_steps)
                               for b in batches}
@@ -129,13 +153,22 @@ class Engine:
             if self.gamma_controller.max_gamma != max_gamma:
                 raise ValueError(f"costs cover gamma up to {self.gamma_controller.max_gamma}, "
                                  f"not max_gamma={max_gamma}")
+        # Serving state: requests by id until they finish, those waiting for a row, the running
+        # batch, and the outputs of aborted requests that the next step() reports.
+        self._unfinished: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._batch = RunningBatch(target, drafter, self.target_steps, self.max_seq_len)
+        self._aborted: list[RequestOutput] = []
+        self.rounds = 0  # rounds of the running batch so far
+        self._previous_gamma = 0  # the last round's drafts (before the first: none, and the draft model unfed)
+        self._run_start, self._run_rounds = 0.0, 0  # see _start_run
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
                         gamma: int | str = 5, device: str = "cpu", dtype: str | torch.dtype | None = None,
                         max_seq_len: int | None = None, verify_impl: str = "auto", max_gamma: int = 8,
                         nvtx: bool = False, weight_dtype: str | torch.dtype | None = None,
-                        time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int = 8,
+                        time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int | None = None,
                         check_every: int = 1) -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders or GGUF files.
 
@@ -179,35 +212,121 @@ class Engine:
                    nvtx=nvtx, time_phases=time_phases, cuda_graphs=cuda_graphs, max_batch_size=max_batch_size,
                    check_every=check_every)
 
-    # ---- public API -------------------------------------------------------------------------
+    # ---- serving: requests that join and leave a running batch ------------------------------
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one request; it joins the running batch at the next step() with a free row
+        (max_batch_size rows at most; requests beyond wait in arrival order). Returns its id."""
+        (request,) = self._make_requests([prompt], params, [request_id])
+        self._enqueue([request])
+        return request.request_id
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests (prefilled now), run one round for every running request (a block
+        of rounds with check_every > 1), and report each: the tokens it gained, the text they
+        complete, whether it finished. Also reports requests aborted since the last step."""
+        outputs, self._aborted = self._aborted, []
+        joined = self._admit()
+        if not self._batch.requests:
+            return outputs
+        try:
+            self._decode_round(joined)
+        except BaseException as exc:
+            # The round's rows are in no known state: end them all, and keep serving the rest.
+            self._end_running(f"aborted: the round failed ({type(exc).__name__}: {exc})")
+            raise
+        outputs += [self._output(r) for r in self._batch.requests]
+        keep = [i for i, r in enumerate(self._batch.requests) if r.finish_reason is None]
+        for r in self._batch.requests:
+            if r.finish_reason is not None:
+                del self._unfinished[r.request_id]
+        if len(keep) < len(self._batch):
+            self._batch.keep(keep)
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and free its row; the next step() reports it (finish_reason "abort").
+        False when no unfinished request has this id."""
+        request = self._unfinished.pop(request_id, None)
+        if request is None:
+            return False
+        request.finish_reason, request.message = "abort", "aborted"
+        if request in self._waiting:
+            self._waiting.remove(request)
+        else:
+            self._batch.keep([i for i, r in enumerate(self._batch.requests) if r is not request])
+        self._aborted.append(self._output(request))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def has_pending_outputs(self) -> bool:
+        """Whether the next step() reports aborted requests (by abort(), or by a round that failed)."""
+        return bool(self._aborted)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a free row."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a row of the running batch."""
+        return len(self._batch)
+
+    @property
+    def cache_rows_in_use(self) -> int:
+        """Rows of the target's KV cache that hold a request (the running ones, once a step ends)."""
+        return self._batch.cache.batch_size if self._batch.cache is not None else 0
+
+    # ---- offline: whole requests ----------------------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Result]:
         """Generate for each prompt (a string, or a list of token ids). One Result per prompt."""
-        requests = self._make_requests(prompts, params)
-        for _ in self._run(requests):
-            pass
+        requests = self._start_run(prompts, params, "generate()")
+        try:
+            while self._unfinished:
+                self.step()
+        finally:
+            self._end_run(requests)
         return [self._result(r) for r in requests]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request piece by piece as tokens are accepted."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer")
-        (request,) = self._make_requests([prompt], params)
-        # Hold back what could still turn out to be the start of a stop string.
-        holdback = max((len(s) for s in request.params.stop), default=1) - 1
-        sent = 0
-        for _ in self._run([request]):
-            text = self._text(request)
-            if request.finish_reason is None:
-                end = len(text) - holdback
-                while end > sent and text[end - 1] == "\ufffd":  # an unfinished UTF-8 sequence
-                    end -= 1
-            else:
-                end = len(text)
-            if end > sent:
-                yield text[sent:end]
-                sent = end
+        (request,) = self._start_run([prompt], params, "stream()")
+        try:
+            while request.finish_reason is None:
+                for output in self.step():
+                    if output.new_text:
+                        yield output.new_text
+        finally:  # also when the consumer stops early: the request must not hold its row
+            self._end_run([request])
+
+    def _start_run(self, prompts, params, name: str) -> list[Request]:
+        if self._unfinished:
+            raise RuntimeError(f"{name} would also run the {len(self._unfinished)} requests in flight from "
+                               "add_request(): drive those with step()")
+        requests = self._make_requests(prompts, params)
+        self.phases.reset()
+        self._run_start, self._run_rounds = time.perf_counter(), self.rounds
+        self._enqueue(requests)
+        return requests
+
+    def _end_run(self, requests: list[Request]):
+        for r in requests:
+            self.abort(r.request_id)  # only those an error or an early stop left unfinished
+        self._aborted = []
+        wall = time.perf_counter() - self._run_start
+        self.last_run_rounds = self.rounds - self._run_rounds
+        self.last_run_stats = DecodeStats.combine([r.stats for r in requests], wall)
+        if self.phases.timed:
+            self.last_run_phases = dict(self.phases.seconds, host=wall - sum(self.phases.seconds.values()), total=wall)
 
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of chat messages ({"role", "content"} dicts) through the tokenizer's chat
@@ -247,7 +366,7 @@ class Engine:
                              "no room to generate")
         return ids
 
-    def _make_requests(self, prompts, params) -> list[Request]:
+    def _make_requests(self, prompts, params, request_ids: Sequence[str | None] | None = None) -> list[Request]:
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -258,14 +377,50 @@ class Engine:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        if self.target_steps is not None and len(prompts) > self.target_steps.cache.allocated_rows:
-            raise ValueError(f"{len(prompts)} prompts but cuda_graphs runs at most max_batch_size="
-                             f"{self.target_steps.cache.allocated_rows} rows at once")
-        # Validate every prompt before starting: bad input leaves nothing half-done.
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("params must be SamplingParams")
+        ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
+        for i, request_id in enumerate(ids):
+            if request_id is None:
+                ids[i] = uuid.uuid4().hex
+            elif not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+            elif request_id in self._unfinished or request_id in ids[:i]:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+        # Validate every prompt before queueing any: bad input leaves nothing half-done.
         encoded = [self._encode(p) for p in prompts]
-        return [Request(ids, p, p.seed if p.seed is not None else secrets.randbits(63),
-                        DecodeStats(gamma=self.gamma, prompt_tokens=len(ids)))
-                for ids, p in zip(encoded, params)]
+        return [Request(request_id, tokens, p, p.seed if p.seed is not None else secrets.randbits(63),
+                        DecodeStats(gamma=self.gamma, prompt_tokens=len(tokens)))
+                for request_id, tokens, p in zip(ids, encoded, params)]
+
+    def _enqueue(self, requests: list[Request]):
+        now = time.perf_counter()
+        for r in requests:
+            r.added_at = now
+            self._unfinished[r.request_id] = r
+            self._waiting.append(r)
+
+    def _admit(self) -> bool:
+        """Move waiting requests into free rows, first come first served; whether any joined."""
+        free = len(self._waiting) if self.max_batch_size is None else self.max_batch_size - len(self._batch)
+        joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        if not joining:
+            return False
+        if self.gamma_controller is not None:
+            for r in joining:
+                r.acceptance = self.gamma_controller.new_estimate(len(self._batch) + len(joining))
+        with self.phases("prefill"):
+            # gamma="auto" feeds the draft model when it first drafts: a request whose draft
+            # does not pay may never draft, and then never pays for the draft's prefill.
+            self._batch.admit(joining, prefill_draft=self.gamma_controller is None)
+        return True
+
+    def _end_running(self, message: str):
+        for r in self._batch.requests:
+            r.finish_reason, r.message = "abort", message
+            del self._unfinished[r.request_id]
+            self._aborted.append(self._output(r))
+        self._batch.keep([])
 
     def _text(self, request: Request) -> str | None:
         if request.stop_text is not None:
@@ -274,90 +429,64 @@ class Engine:
             return None
         return self.tokenizer.decode(request.generated, skip_special_tokens=True)
 
+    def _output(self, r: Request) -> RequestOutput:
+        """The tokens and text r gained since its last output."""
+        new_tokens = r.generated[r.sent_tokens:]
+        r.sent_tokens = len(r.generated)
+        new_text = None
+        if self.tokenizer is not None:
+            text = self._text(r)
+            end = len(text) if r.finish_reason is not None else _settled_length(text, r.params.stop)
+            new_text = text[r.sent_chars:end] if end > r.sent_chars else ""
+            r.sent_chars = max(r.sent_chars, end)
+        return RequestOutput(r.request_id, new_tokens, new_text, r.finish_reason is not None, r.finish_reason,
+                             r.stats, r.message)
+
     def _result(self, r: Request) -> Result:
         return Result(r.prompt_token_ids, list(r.generated), self._text(r), r.finish_reason, r.stats, r.message)
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
-        """Decode all requests to completion, yielding the batch after every round."""
-        t0 = time.perf_counter()
-        device = self.target.device
-        capacity = min(self.max_seq_len, max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in requests))
-        prompts = [r.prompt_token_ids for r in requests]
-        if self.target_steps is not None:
-            cache = self.target_steps.new_batch(len(requests))
+    def _decode_round(self, joined: bool):
+        """One round (or a block of rounds) for every running request; appends what they emitted."""
+        round_start = time.perf_counter()
+        batch, device = self._batch, self.target.device
+        active = batch.requests
+        sequences = [r.tokens for r in active]
+        gamma = self._round_gamma(active)
+        block = self._block_rounds(active, sequences, gamma)
+        if block > 1:
+            outcomes = run_block(self.target_steps, self.drafter, batch.sampling, sequences, gamma, block,
+                                 self.verify_impl, self.phases)
         else:
-            cache = self.target.new_cache(len(requests), capacity)
-        self.phases.reset()
-        with self.phases("prefill"):
-            # The cache holds everything but each sequence's last token, which the next round feeds.
-            feed(self.target, cache, [p[:-1] for p in prompts], cached=[0] * len(prompts))
-            if self.drafter is not None:
-                # gamma="auto" feeds the draft model when it first drafts: a request whose draft
-                # does not pay may never draft, and then never pays for the draft's prefill.
-                self.drafter.start(prompts, capacity, prefill=self.gamma_controller is None)
-        for r in requests:
-            r.stats.target_calls += len(r.prompt_token_ids) > 1
+            outcomes, gamma = self._round(batch.cache, active, sequences, gamma, batch.sampling, device)
+        self.rounds += outcomes[0].rounds
+        for r, outcome in zip(active, outcomes):
+            self._account(r, outcome)
+            r.acceptance.update(outcome.accepted, outcome.rejections)
+            self._append(r, outcome.tokens)
+            if r.finish_reason is not None:
+                r.stats.wall_time_s = time.perf_counter() - r.added_at
+                if self.gamma_controller is not None:
+                    self.gamma_controller.observe_finished(r.acceptance, r.stats.accepted, r.stats.rejections)
         if self.gamma_controller is not None:
-            for r in requests:
-                r.acceptance = self.gamma_controller.new_estimate(len(requests))
-        active = list(requests)
-        sampling = SamplingBatch.from_params([r.params for r in active], [r.seed for r in active], device)
-
-        self.last_run_rounds = 0
-        previous_gamma = 0  # the last round's drafts (before the first: none, and the draft model unfed)
-        while active:
-            round_start = time.perf_counter()
-            sequences = [r.tokens for r in active]
-            gamma = self._round_gamma(active)
-            block = self._block_rounds(active, sequences, gamma, capacity)
-            if block > 1:
-                outcomes = run_block(self.target_steps, self.drafter, sampling, sequences, gamma, block,
-                                     self.verify_impl, self.phases)
-            else:
-                outcomes, gamma = self._round(cache, active, sequences, gamma, capacity, sampling, device)
-            self.last_run_rounds += outcomes[0].rounds
-            for r, outcome in zip(active, outcomes):
-                self._account(r, outcome)
-                r.acceptance.update(outcome.accepted, outcome.rejections)
-                self._append(r, outcome.tokens, capacity)
-                if r.finish_reason is not None:
-                    r.stats.wall_time_s = time.perf_counter() - t0
-                    if self.gamma_controller is not None:
-                        self.gamma_controller.observe_finished(r.acceptance, r.stats.accepted, r.stats.rejections)
-            if self.gamma_controller is not None:
-                self.gamma_controller.observe_round(len(active), gamma,
-                                                    (time.perf_counter() - round_start) / outcomes[0].rounds,
-                                                    after_gap=previous_gamma == 0)
-            previous_gamma = gamma
-            yield requests
-
-            keep = [i for i, r in enumerate(active) if r.finish_reason is None]
-            if len(keep) < len(active):
-                active = [active[i] for i in keep]
-                if active:
-                    cache.keep_rows(keep)
-                    sampling = sampling.select(keep)
-                    if self.drafter is not None:
-                        self.drafter.keep_rows(keep)
-        wall = time.perf_counter() - t0
-        self.last_run_stats = DecodeStats.combine([r.stats for r in requests], wall)
-        if self.phases.timed:
-            self.last_run_phases = dict(self.phases.seconds, host=wall - sum(self.phases.seconds.values()), total=wall)
+            # A drafting round after rounds without drafts, or with rows that just joined, also
+            # fed the draft model what it lacked.
+            self.gamma_controller.observe_round(len(active), gamma,
+                                                (time.perf_counter() - round_start) / outcomes[0].rounds,
+                                                after_gap=self._previous_gamma == 0 or joined)
+        self._previous_gamma = gamma
 
     def _round_gamma(self, active: list[Request]) -> int:
         if self.gamma_controller is None:
             return self.gamma
         return self.gamma_controller.choose([r.acceptance for r in active])
 
-    def _round(self, cache, active: list[Request], sequences, gamma: int, capacity: int, sampling: SamplingBatch,
+    def _round(self, cache, active: list[Request], sequences, gamma: int, sampling: SamplingBatch,
                device) -> tuple[list[RowRounds], int]:
         """One round, read back at its end; also returns the drafts actually made (fewer than gamma
         near the rows' limits)."""
-        budgets = [min(gamma, r.params.max_new_tokens - len(r.generated) - 1, capacity - len(s) - 1)
-                   for r, s in zip(active, sequences)]
+        budgets = [min(gamma, room - 1) for room in self._rooms(active, sequences)]
         with self.phases("draft"):
             proposal = self._propose(sequences, budgets, sampling, device)
         # Verification also advances both caches' lengths: that is the whole rollback.
@@ -379,14 +508,18 @@ class Engine:
                                       accepted=count - 1, rejections=int(count - 1 < n_drafts), histogram=histogram))
         return outcomes, G
 
-    def _block_rounds(self, active: list[Request], sequences, gamma: int, capacity: int) -> int:
+    def _rooms(self, active: list[Request], sequences) -> list[int]:
+        """Tokens each row may still emit: within its max_new_tokens and the context."""
+        return [min(r.params.max_new_tokens - len(r.generated), self.max_seq_len - len(s))
+                for r, s in zip(active, sequences)]
+
+    def _block_rounds(self, active: list[Request], sequences, gamma: int) -> int:
         """Rounds to run from device state before reading back (1: a host round)."""
         if self.check_every == 1 or min(len(s) for s in sequences) < 2:
             return 1
         if gamma > 0 and not (hasattr(self.drafter, "propose_on_device") and self.drafter.caught_up(sequences)):
             return 1  # a host round first: its catch-up feeds the draft model what rounds at gamma 0 skipped
-        rooms = [min(r.params.max_new_tokens - len(r.generated), capacity - len(s)) for r, s in zip(active, sequences)]
-        return max(1, min(self.check_every, rounds_that_fit(rooms, gamma)))
+        return max(1, min(self.check_every, rounds_that_fit(self._rooms(active, sequences), gamma)))
 
     def _propose(self, sequences, budgets, sampling, device) -> Proposal:
         if self.drafter is None or max(budgets) == 0:
@@ -441,7 +574,7 @@ class Engine:
         for accepted, rounds in enumerate(outcome.histogram):
             s.accepted_histogram[accepted] += rounds
 
-    def _append(self, r: Request, new_tokens: list[int], capacity: int):
+    def _append(self, r: Request, new_tokens: list[int]):
         """Append a round's tokens, ending the request exactly at EOS, max_new_tokens or a stop string."""
         before = len(r.generated)
         for token in new_tokens:
@@ -454,9 +587,9 @@ class Engine:
                 break
         if r.params.stop and self.tokenizer is not None:
             self._check_stop_strings(r, before)
-        if r.finish_reason is None and len(r.prompt_token_ids) + len(r.generated) >= capacity:
+        if r.finish_reason is None and len(r.prompt_token_ids) + len(r.generated) >= self.max_seq_len:
             r.finish_reason = "capacity"
-            r.message = (f"stopped after {len(r.generated)} tokens: the context of {capacity} tokens is full "
+            r.message = (f"stopped after {len(r.generated)} tokens: the context of {self.max_seq_len} tokens is full "
                          f"(prompt {len(r.prompt_token_ids)} tokens); the partial output is kept")
             log.warning(r.message)
         r.stats.generated_tokens = len(r.generated)

@@ -119,7 +119,7 @@ class StepGraphs:
         if use_graphs and not on_cuda:
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model = model
-        self.cache = model.new_cache(max_batch_size, capacity)
+        self.cache = model.new_cache(max_batch_size, capacity, growable=False)  # graphs keep its addresses
         self.graphs = GraphedCalls(use_graphs)
 
     @property
@@ -135,7 +135,7 @@ class StepGraphs:
         return self.graphs.replays
 
     def new_batch(self, batch_size: int) -> StaticKVCache:
-        """The persistent cache, emptied for a batch of batch_size rows."""
+        """The persistent cache, emptied for a batch of batch_size rows (0: rows are added later)."""
         self.cache.reset(batch_size)
         return self.cache
 

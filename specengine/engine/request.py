@@ -1,4 +1,4 @@
-"""Requests in flight, their results and their statistics."""
+"""Requests in flight, what each step reports of them, their results and their statistics."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -74,18 +74,36 @@ class DecodeStats:
                 f"{self.target_calls} target calls, {self.draft_calls} draft calls")
 
 
+FINISH_REASONS = ("stop", "length", "capacity", "abort")
+
+
 @dataclass
 class Result:
     prompt_token_ids: list[int]
     token_ids: list[int]         # generated tokens (an EOS that ended the request included)
     text: str | None             # generated text (None without a tokenizer)
-    finish_reason: str           # "stop" (EOS or stop string), "length" (max_new_tokens), "capacity" (context full)
+    finish_reason: str           # "stop" (EOS or stop string), "length" (max_new_tokens), "capacity" (context
+                                 # full), "abort" (Engine.abort, or a failed round)
     stats: DecodeStats
     message: str = ""            # why a request ended early, in words
 
 
 @dataclass
+class RequestOutput:
+    """What one Engine.step() did for one request: the tokens it added, and the text they complete."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str | None         # None without a tokenizer; holds back an unfinished UTF-8 sequence and
+                                 # a tail that may still become a stop string until the request ends
+    finished: bool
+    finish_reason: str | None    # one of FINISH_REASONS once finished
+    stats: DecodeStats
+    message: str = ""
+
+
+@dataclass
 class Request:
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
@@ -95,6 +113,9 @@ class Request:
     message: str = ""
     stop_text: str | None = None  # the text cut before a stop string, when one ended the request
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # for gamma="auto"
+    added_at: float = 0.0         # perf_counter() when it was added (its wall time runs from there)
+    sent_tokens: int = 0          # generated tokens already reported by a RequestOutput
+    sent_chars: int = 0           # characters of its text already reported
 
     @property
     def tokens(self) -> list[int]:

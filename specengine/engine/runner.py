@@ -28,7 +28,7 @@ def feed(model: LlamaForCausalLM, cache: StaticKVCache, chunks: list[list[int]],
     when all are empty.
     """
     lengths = [len(c) for c in chunks]
-    T = max(lengths)
+    T = max(lengths, default=0)
     if T == 0:
         return None
     device = model.device

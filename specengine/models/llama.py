@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.kv_cache import StaticKVCache
-from ..layers.linear import Linear
+from ..layers.linear import GEMM_ROWS, Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import rope_cos_sin, rope_inv_freq
 from ..layers.tracked import TracksParameterAssignments
@@ -174,9 +174,10 @@ class LlamaForCausalLM(nn.Module):
         (bfloat16 weights with float32 compute on a CPU, see models.loader)."""
         return self.model.norm.weight.dtype
 
-    def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
+    def new_cache(self, batch_size: int, capacity: int, growable: bool = True) -> StaticKVCache:
         c = self.config
-        return StaticKVCache(c.num_layers, batch_size, capacity, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return StaticKVCache(c.num_layers, batch_size, capacity, c.num_kv_heads, c.head_dim, self.dtype, self.device,
+                             growable)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, cache: StaticKVCache,
                 kv_len: int | None = None) -> torch.Tensor:
@@ -202,7 +203,9 @@ class LlamaForCausalLM(nn.Module):
         # through nn.Embedding's module call: 13 us against 34 on a 2-core CPU, where a draft
         # step takes ~0.6 ms.
         x = self.model.embed_tokens.weight[tokens].to(self.dtype)
-        layer_weights = self.whole_layer_weights() if cpu_kernels and self.whole_layer_kernels else None
+        # A prefill-sized call takes the per-op path, whose products become GEMMs (see layers.linear).
+        whole_layers = cpu_kernels and self.whole_layer_kernels and B * T < GEMM_ROWS
+        layer_weights = self.whole_layer_weights() if whole_layers else None
         if layer_weights is not None:
             c = self.config
             for i, weights in enumerate(layer_weights):

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible server, through the official openai client, on a loopback port opened
+inside the test: seeded requests streamed concurrently equal offline generation, chat, bad
+parameters answered with 400 while the server keeps serving, dropped clients aborting."""
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import uvicorn  # noqa: E402
+
+from specengine import AsyncEngine, Engine, SamplingParams  # noqa: E402
+from specengine.server.app import create_app  # noqa: E402
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MODEL = "tiny-pair"
+
+
+def with_chat_template(engine: Engine) -> Engine:
+    engine.tokenizer.chat_template = CHATML
+    return engine
+
+
+@pytest.fixture(scope="module")
+def offline(text_pair):
+    """The same pair in an engine of its own: what each request gives offline."""
+    return with_chat_template(Engine.from_pretrained(*text_pair, gamma=3))
+
+
+@pytest.fixture(scope="module")
+def server(text_pair):
+    """(base_url, AsyncEngine, aborted ids) of a server on a free loopback port."""
+    engine = with_chat_template(Engine.from_pretrained(*text_pair, gamma=3, max_batch_size=4))
+    aborted = []
+    abort = engine.abort
+
+    def recording_abort(request_id):
+        done = abort(request_id)
+        if done:
+            aborted.append(request_id)
+        return done
+
+    engine.abort = recording_abort
+    async_engine = AsyncEngine(engine)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(async_engine, MODEL), log_level="warning")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", async_engine, aborted
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_idle(async_engine, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while async_engine.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests left running"
+        time.sleep(0.01)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(server[0] + "/health").json()
+    assert health["status"] == "ok" and health["running"] == 0
+
+
+PROMPTS = ["def add(a, b):", "import os\n", "x = [1, 2,", "class Point:", "for i in range(", "# a comment\n"]
+
+
+def seeded(i: int) -> dict:
+    return dict(max_tokens=(12, 30, 7, 21, 16, 25)[i], temperature=(0.8, 0.0, 1.2, 1.0, 0.5, 0.9)[i], seed=40 + i,
+                top_p=(1.0, 1.0, 0.9, 1.0, 0.95, 1.0)[i])
+
+
+def test_concurrent_streams_equal_offline_generation(server, offline):
+    """Six seeded streams at once (four rows: two wait) give exactly the offline texts."""
+    base_url, async_engine, _ = server
+    want = offline.generate(PROMPTS, [SamplingParams(max_new_tokens=seeded(i)["max_tokens"], ignore_eos=True,
+                                                     **{k: v for k, v in seeded(i).items() if k != "max_tokens"})
+                                      for i in range(len(PROMPTS))])
+
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[i], stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}, **seeded(i))
+        text, finish, usage, chunks = "", None, None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+                chunks += 1
+            if chunk.usage:
+                usage = chunk.usage
+        return text, finish, usage, chunks
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        return await asyncio.gather(*(one(client, i) for i in range(len(PROMPTS))))
+
+    got = asyncio.run(all_of_them())
+    for (text, finish, usage, chunks), result in zip(got, want):
+        assert text == result.text and finish == "length"
+        assert usage.completion_tokens == len(result.token_ids) and usage.prompt_tokens == len(result.prompt_token_ids)
+    assert max(chunks for *_, chunks in got) > 1  # streamed, not sent at the end
+    wait_idle(async_engine)
+    assert async_engine.engine._batch.cache.batch_size == 0
+
+
+def test_completion_without_streaming_and_a_batch_of_prompts(client, offline):
+    params = dict(max_tokens=10, temperature=0.0)
+    want = offline.generate(PROMPTS[:3], SamplingParams(max_new_tokens=10, temperature=0.0))
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[:3], **params)
+    assert [c.text for c in response.choices] == [r.text for r in want]
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert response.usage.completion_tokens == sum(len(r.token_ids) for r in want)
+    ids = offline.tokenizer(PROMPTS[0])["input_ids"]
+    assert client.completions.create(model=MODEL, prompt=ids, **params).choices[0].text == want[0].text
+
+
+def test_chat_completion_streamed_and_not(client, offline):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Add two numbers."}]
+    (want,) = offline.generate([offline.chat_prompt(messages)],
+                               SamplingParams(max_new_tokens=20, temperature=0.7, seed=3))
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0.7, seed=3)
+    assert response.choices[0].message.content == want.text and response.choices[0].message.role == "assistant"
+    assert response.object == "chat.completion" and response.usage.completion_tokens == len(want.token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20,
+                                            temperature=0.7, seed=3, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == {"stop": "stop", "length": "length"}[want.finish_reason]
+
+
+def test_stop_strings_that_span_tokens(client, offline):
+    free = offline.generate(["x = 1\n"], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))[0]
+    ends = [len(offline.tokenizer.decode(free.token_ids[:n], skip_special_tokens=True)) for n in range(1, 12)]
+    boundary = next(e for e in ends[2:] if 0 < e < len(free.text) - 2)
+    stop = free.text[boundary - 2:boundary + 2]  # the end of one token and the start of the next
+    stream = client.completions.create(model=MODEL, prompt="x = 1\n", max_tokens=30, temperature=0, stream=True,
+                                       stop=[stop, "never appears"], extra_body={"ignore_eos": True})
+    pieces = [(c.choices[0].text, c.choices[0].finish_reason) for c in stream]
+    text = "".join(p for p, _ in pieces)
+    assert text == free.text[:free.text.find(stop)] and pieces[-1][1] == "stop"
+    assert all(stop not in "".join(p for p, _ in pieces[:n]) for n in range(len(pieces) + 1))
+
+
+@pytest.mark.parametrize("kwargs, param, message", [
+    (dict(temperature=-1.0), "temperature", "greater than or equal to 0"),
+    (dict(top_p=0.0), "top_p", "greater than 0"),
+    (dict(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+    (dict(seed=-5), "seed", "greater than or equal to 0"),
+    (dict(n=2), "n", "n must be 1"),
+    (dict(logprobs=2), "logprobs", "logprobs are not supported"),
+    (dict(presence_penalty=0.5), "presence_penalty", "not supported"),
+    (dict(stop=[""]), "stop", "non-empty"),
+    (dict(extra_body={"top_k": -3}), "top_k", "greater than or equal to -1"),
+    (dict(extra_body={"min_p": 1.5}), "min_p", "less than or equal to 1"),
+    (dict(extra_body={"temprature": 0.5}), "temprature", "unrecognized request argument"),
+    (dict(model="gpt-4"), "model", "does not exist"),
+    (dict(prompt="word " * 600), "prompt", "no room to generate"),
+    (dict(prompt=[]), "prompt", "prompt"),
+    (dict(prompt=[1, 10**6]), "prompt", "prompt token ids must be integers"),
+])
+def test_bad_parameters_get_400_naming_them_and_the_server_keeps_serving(client, kwargs, param, message):
+    request = dict(model=MODEL, prompt="x = ", max_tokens=4)
+    request.update(kwargs)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**request)
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == param and message in error["message"]
+    assert client.completions.create(model=MODEL, prompt="x = ", max_tokens=3).choices[0].text is not None
+
+
+def test_bad_chat_requests_get_400(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=3)
+    assert caught.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}], max_tokens=3)
+    assert caught.value.body["param"].startswith("messages")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert caught.value.body["param"] == "tools"
+
+
+def test_a_dropped_stream_aborts_its_request(server, client):
+    _, async_engine, aborted = server
+    stream = client.completions.create(model=MODEL, prompt="def f(", max_tokens=400, temperature=1.0, seed=1,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    request_id = next(iter(async_engine.engine._unfinished))
+    assert first.choices[0].text is not None
+    stream.close()  # the client goes away mid-generation
+    wait_idle(async_engine)
+    assert request_id in aborted and async_engine.engine.num_running == 0
+
+
+def test_a_dropped_non_streaming_request_aborts_it(server):
+    base_url, async_engine, aborted = server
+    body = dict(model=MODEL, prompt="def g(", max_tokens=450, temperature=1.0, seed=2, ignore_eos=True)
+    before = len(aborted)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(0.3))
+    wait_idle(async_engine)
+    assert len(aborted) == before + 1 and async_engine.engine.num_running == 0

@@ -1,0 +1,237 @@
+"""Requests that join a running batch, leave it, are aborted, and stream deltas (Engine.add_request /
+step / abort), on tiny models: the tokens of every seeded request equal its offline generation."""
+import pytest
+import torch
+
+from specengine import Engine, SamplingParams
+from specengine.drafters.model import ModelDrafter
+from specengine.drafters.ngram import NgramDrafter
+from specengine.engine.engine import _settled_length
+from specengine.engine.gamma import CostModel
+from specengine.layers.kv_cache import StaticKVCache
+
+from engine_util import tiny_model
+
+V = 32
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_model(V, seed=0, logit_scale=3.0), tiny_model(V, seed=5, num_layers=1, logit_scale=3.0)
+
+
+def make_engine(models, drafter="model", **kwargs):
+    target, draft = models
+    chosen = {"model": lambda: ModelDrafter(draft, V, V), "ngram": lambda: NgramDrafter(1, 2),
+              "none": lambda: None}[drafter]()
+    return Engine(target, drafter=chosen, gamma=kwargs.pop("gamma", 3), **kwargs)
+
+
+def params(i: int, **kwargs) -> SamplingParams:
+    """Mixed requests: greedy and sampled, different lengths, each with its own seed."""
+    base = dict(max_new_tokens=(6, 17, 11, 23)[i % 4], temperature=(0.0, 1.0, 0.8, 1.3)[i % 4], seed=100 + i)
+    return SamplingParams(**{**base, **kwargs})
+
+
+def drive(engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]) -> dict[str, list]:
+    """Run step() until nothing is left, adding arrivals[k] before step k; each request's outputs."""
+    outputs: dict[str, list] = {}
+    k = 0
+    while engine.has_unfinished_requests() or any(s >= k for s in arrivals):
+        for request_id, prompt, p in arrivals.get(k, []):
+            engine.add_request(prompt, p, request_id)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        k += 1
+    return outputs
+
+
+def tokens_of(outputs) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+@pytest.mark.parametrize("drafter, kwargs", [
+    ("model", {}), ("ngram", {}), ("none", {}),
+    ("model", dict(cuda_graphs=True, max_batch_size=3)),  # fixed rows: later requests wait
+    ("model", dict(cuda_graphs=True, max_batch_size=4, check_every=4)),  # blocks of rounds from device state
+])
+def test_requests_joining_mid_run_get_their_offline_tokens(models, drafter, kwargs):
+    engine = make_engine(models, drafter, **kwargs)
+    requests = [(f"r{i}", PROMPTS[i % 4], params(i)) for i in range(7)]
+    alone = [engine.generate([prompt], p)[0].token_ids for _, prompt, p in requests]
+    static = [r.token_ids for r in engine.generate([prompt for _, prompt, _ in requests], [p for *_, p in requests])]
+    assert static == alone
+    # Two at the start, then one joining at each of steps 1, 2, 4, 5 and 9 (some after others finished).
+    outputs = drive(engine, {0: requests[:2], 1: requests[2:3], 2: requests[3:4], 4: requests[4:5],
+                             5: requests[5:6], 9: requests[6:7]})
+    for (request_id, _, p), want in zip(requests, alone):
+        outs = outputs[request_id]
+        assert tokens_of(outs) == want
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].finish_reason == "length" and outs[-1].stats.generated_tokens == p.max_new_tokens
+        assert all(o.new_token_ids for o in outs)  # every step of a running request adds tokens
+    assert engine.num_running == engine.num_waiting == 0 and engine._batch.cache.batch_size == 0
+
+
+def test_rows_past_max_batch_size_wait_first_come_first_served(models):
+    engine = make_engine(models, cuda_graphs=True, max_batch_size=2)
+    order = []
+    ids = [engine.add_request(PROMPTS[i % 4], params(i, max_new_tokens=4 + i)) for i in range(6)]
+    seen = set()
+    while engine.has_unfinished_requests():
+        assert engine.num_running <= 2
+        for out in engine.step():
+            if out.request_id not in seen:
+                seen.add(out.request_id)
+                order.append(out.request_id)
+    assert order == ids  # admitted (first reported) in arrival order, none left behind
+
+
+def test_abort_frees_the_row_at_once_and_is_reported(models):
+    engine = make_engine(models, cuda_graphs=True, max_batch_size=2)
+    want_b = engine.generate([PROMPTS[1]], params(1, max_new_tokens=40))[0].token_ids
+    a = engine.add_request(PROMPTS[0], params(0, max_new_tokens=40))
+    b = engine.add_request(PROMPTS[1], params(1, max_new_tokens=40))
+    c = engine.add_request(PROMPTS[2], params(2, max_new_tokens=5))  # waits for a row
+    outputs = engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    assert engine.abort(a) and engine.num_running == 1 and engine._batch.cache.batch_size == 1
+    assert engine.abort(c) and engine.num_waiting == 0
+    assert not engine.abort(a) and not engine.abort("no such request")
+    outputs += engine.step()
+    aborted = {o.request_id: o for o in outputs if o.finish_reason == "abort"}
+    assert set(aborted) == {a, c} and all(o.finished and o.new_token_ids == [] for o in aborted.values())
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    # The request left alone decodes on as it does by itself.
+    assert tokens_of([o for o in outputs if o.request_id == b]) == want_b
+
+
+def test_auto_gamma_keeps_choosing_as_rows_come_and_go(models):
+    target, _ = models
+    # A perfect draft, costed as if it were cheap (this one is the target: it would never pay).
+    costs = CostModel(draft_step_s=1e-4, verify_s=(1e-2,) * 5)
+    engine = Engine(target, drafter=ModelDrafter(target, V, V), gamma="auto", max_gamma=4, costs=costs)
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0)
+    want = {i: Engine(target).generate([PROMPTS[i % 4]], greedy)[0].token_ids for i in range(5)}
+    outputs = drive(engine, {0: [("r0", PROMPTS[0], greedy)], 3: [("r1", PROMPTS[1], greedy)],
+                             4: [("r2", PROMPTS[2], greedy), ("r3", PROMPTS[3], greedy)],
+                             8: [("r4", PROMPTS[0], greedy)]})
+    assert {int(k[1:]): tokens_of(v) for k, v in outputs.items()} == want
+    assert sum(o[-1].stats.accepted for o in outputs.values()) > 0  # it drafted
+
+
+def test_cache_grows_for_a_longer_request_that_joins(models):
+    """An eager cache sized for the first request reallocates when a longer one joins, keeping
+    the running row's entries."""
+    engine = make_engine(models)
+    short, long = params(0, max_new_tokens=8, temperature=1.0), params(1, max_new_tokens=120)
+    want_short = engine.generate([PROMPTS[0]], short)[0].token_ids
+    want_long = engine.generate([PROMPTS[1]], long)[0].token_ids
+    fresh = make_engine(models)
+    outputs = drive(fresh, {0: [("short", PROMPTS[0], short)], 1: [("long", PROMPTS[1], long)]})
+    assert tokens_of(outputs["short"]) == want_short and tokens_of(outputs["long"]) == want_long
+    assert fresh._batch.cache.capacity >= len(PROMPTS[1]) + 120
+
+
+def test_reserve_keeps_rows_and_entries():
+    cache = StaticKVCache(2, 2, 8, 1, 4, torch.float32, "cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.lengths.copy_(torch.tensor([5, 3]))
+    k, v = cache.k.clone(), cache.v.clone()
+    cache.reserve(3, 20)
+    assert cache.allocated_rows == 4 and cache.capacity == 20 and cache.lengths.tolist() == [5, 3]
+    assert torch.equal(cache.k[:, :2, :8], k[:, :, :8]) and torch.equal(cache.v[:, :2, :8], v[:, :, :8])
+    view = cache.add_rows(2)
+    assert cache.batch_size == 4 and view.batch_size == 2 and view.lengths.tolist() == [0, 0]
+    view.layer(1)[0][1, 4] = 7.0  # a view shares the cache's storage
+    assert torch.all(cache.k[1, 3, 4] == 7.0)
+    fixed = StaticKVCache(1, 2, 8, 1, 4, torch.float32, "cpu", growable=False)
+    with pytest.raises(ValueError, match="fixed at 2 rows of 8 positions"):
+        fixed.reserve(3, 8)
+
+
+def test_bad_requests_are_refused_at_add_request_and_leave_nothing_queued(models):
+    engine = make_engine(models)
+    engine.add_request(PROMPTS[0], params(0), request_id="x")
+    with pytest.raises(ValueError, match="request_id 'x' is already in flight"):
+        engine.add_request(PROMPTS[1], params(1), request_id="x")
+    with pytest.raises(ValueError, match="request_id must be a non-empty string"):
+        engine.add_request(PROMPTS[1], params(1), request_id=7)
+    with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, 32\)"):
+        engine.add_request([1, 99])
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
+        engine.add_request([1, 2], {"temperature": 0})
+    with pytest.raises(RuntimeError, match="would also run the 1 requests in flight"):
+        engine.generate([[1, 2]])
+    assert engine.num_waiting == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.step() == []  # nothing to do
+
+
+# ---- text deltas ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def text_engine(text_pair):
+    return Engine.from_pretrained(*text_pair, gamma=3)
+
+
+def test_deltas_add_up_to_the_offline_text(text_engine):
+    engine = text_engine
+    prompts = ["def add(a, b):", "import os\n", "x = [1, 2,"]
+    ps = [SamplingParams(max_new_tokens=n, temperature=t, seed=s, ignore_eos=True)
+          for n, t, s in [(25, 0.9, 1), (14, 0.0, 2), (31, 1.2, 3)]]
+    want = engine.generate(prompts, ps)
+    outputs = drive(engine, {0: [("a", prompts[0], ps[0])], 2: [("b", prompts[1], ps[1]), ("c", prompts[2], ps[2])]})
+    for request_id, result in zip("abc", want):
+        outs = outputs[request_id]
+        assert tokens_of(outs) == result.token_ids
+        assert "".join(o.new_text for o in outs) == result.text
+        # what was sent is always a prefix of the text so far (nothing is taken back)
+        for n in range(1, len(outs) + 1):
+            sent = "".join(o.new_text for o in outs[:n])
+            assert engine.tokenizer.decode(tokens_of(outs[:n]), skip_special_tokens=True).startswith(sent)
+
+
+def test_a_stop_string_spanning_tokens_is_never_sent(text_engine):
+    engine = text_engine
+    free = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    full = engine.generate(["x = 1\n"], free)[0]
+    # a stop string across token boundaries: the end of one token and the start of the next
+    ends = [len(engine.tokenizer.decode(full.token_ids[:n], skip_special_tokens=True)) for n in range(1, 12)]
+    boundary = next(e for e in ends[2:] if 0 < e < len(full.text) - 2)
+    stop = full.text[boundary - 2:boundary + 2]
+    stopped = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, stop=(stop,))
+    want = engine.generate(["x = 1\n"], stopped)[0]
+    assert want.finish_reason == "stop" and want.text == full.text[:full.text.find(stop)]
+    outputs = drive(engine, {0: [("s", "x = 1\n", stopped)]})["s"]
+    sent = ""
+    for out in outputs:
+        sent += out.new_text
+        assert stop not in sent and (out.finished or not any(sent.endswith(stop[:k]) for k in range(1, len(stop))))
+    assert sent == want.text and outputs[-1].finish_reason == "stop"
+
+
+def test_a_stream_stopped_early_frees_its_row(text_engine):
+    pieces = text_engine.stream("def f(", SamplingParams(max_new_tokens=40, ignore_eos=True, seed=3))
+    next(pieces)
+    assert text_engine.has_unfinished_requests()
+    pieces.close()
+    assert not text_engine.has_unfinished_requests() and text_engine.num_running == 0
+    with pytest.raises(ValueError, match=r"stream\(\) needs a tokenizer"):
+        next(Engine(text_engine.target).stream([1, 2]))
+
+
+@pytest.mark.parametrize("text, stop, settled", [
+    ("hello wor", ("world",), 6),          # "wor" may become "world"
+    ("hello", ("world",), 5),
+    ("abc\ufffd", (), 3),                  # an unfinished UTF-8 sequence
+    ("abc\ufffd\ufffd", ("c",), 3),        # "c" is a whole stop string, so it is not held (it would have ended it)
+    ("a<|im", ("<|im_end|>", "<|e"), 1),
+    ("", ("x",), 0),
+])
+def test_settled_length(text, stop, settled):
+    assert _settled_length(text, stop) == settled
