@@ -71,11 +71,12 @@ def percentiles(values: list[float]) -> dict:
     return {"p50": statistics.median(values), "p99": pick(0.99)}
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """The process's resident memory now (VmRSS), or its peak so far (VmHWM), in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
 
 
 async def send(client: openai.AsyncOpenAI, model: str, request: Sent):
@@ -113,7 +114,8 @@ async def run_phase(base_url: str, model: str, requests: list[Sent], clients: in
                 on_done(done)
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
+    async with client:
+        await asyncio.gather(*(worker() for _ in range(clients)))
     return time.perf_counter() - start, done
 
 
@@ -216,13 +218,14 @@ def main():
 def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
     requests = [Sent(prompts[i % len(prompts)], args.soak_max_tokens, args.temperature, 5000 + i)
                 for i in range(args.soak)]
-    rss = {}
+    # The RSS at one moment swings by a few tens of MiB (allocations that come and go with a
+    # prefill); the peak so far (VmHWM) is what a leak would raise.
+    rss, peak = {}, {}
 
     def on_done(n):
-        if n in (100, args.soak):
-            rss[n] = rss_mib(server.pid)
-        if n % 100 == 0:
-            print(f"  soak: {n} done, server RSS {rss_mib(server.pid):.0f} MiB", flush=True)
+        if n % 100 == 0 or n == args.soak:
+            rss[n], peak[n] = rss_mib(server.pid), rss_mib(server.pid, "VmHWM")
+            print(f"  soak: {n} done, server RSS {rss[n]:.0f} MiB, peak {peak[n]:.0f} MiB", flush=True)
 
     wall, done = asyncio.run(run_phase(base_url, "bench", requests, args.soak_clients,
                                        time.perf_counter() + args.time_limit, on_done))
@@ -234,14 +237,17 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
                              for r in requests[:done]])
     mismatched = [i for i, (r, w) in enumerate(zip(requests, want))
                   if r.text != w.text or r.completion_tokens != len(w.token_ids)]
-    out.update(completed=done, lost=args.soak - done - sum(r.finish_reason is None for r in requests[done:]),
-               unfinished=sum(r.finish_reason is None for r in requests), mismatched=len(mismatched),
-               mismatched_first=mismatched[:10], rss_mib_at=rss, health_after=health)
+    # A lost request never ends its stream; a duplicated one would show as text that is not its own.
+    out.update(completed=done, without_finish_reason=sum(r.finish_reason is None for r in requests[:done]),
+               mismatched=len(mismatched),
+               mismatched_first=mismatched[:10], rss_mib_at=rss, peak_rss_mib_at=peak, health_after=health)
     if 100 in rss and args.soak in rss:
         out["rss_growth_100_to_last"] = rss[args.soak] / rss[100] - 1
-    print(f"  soak: {done}/{args.soak} completed, {len(mismatched)} differ from offline generation, RSS "
-          f"{rss.get(100, float('nan')):.0f} -> {rss.get(args.soak, float('nan')):.0f} MiB, /health after: {health}",
-          flush=True)
+        out["peak_rss_growth_100_to_last"] = peak[args.soak] / peak[100] - 1
+    print(f"  soak: {done}/{args.soak} completed, {len(mismatched)} differ from offline generation; RSS "
+          f"{rss.get(100, float('nan')):.0f} -> {rss.get(args.soak, float('nan')):.0f} MiB, peak "
+          f"{peak.get(100, float('nan')):.0f} -> {peak.get(args.soak, float('nan')):.0f} MiB "
+          f"(after the 100th and the last); /health after: {health}", flush=True)
     return out
 
 

@@ -159,8 +159,6 @@ def serve(args) -> int:
                                     device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype,
                                     max_seq_len=args.max_seq_len, cuda_graphs=args.cuda_graphs,
                                     max_batch_size=args.max_batch_size, check_every=args.check_every)
-    if engine.tokenizer is None:
-        raise ValueError(f"{target} has no tokenizer: the server takes and returns text")
     name = args.served_model_name or Path(target).name.removesuffix(".gguf")
     app = create_app(AsyncEngine(engine), name)
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

@@ -231,6 +231,51 @@ def test_cli_reports_bad_input_cleanly(tmp_path, capsys):
     assert "top_p must be in" in capsys.readouterr().err
 
 
+def test_cli_serve_answers_an_openai_client_and_stops_cleanly(text_pair, tmp_path, capsys):
+    openai = pytest.importorskip("openai")
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    pytest.importorskip("uvicorn")
+    target, draft = text_pair
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "specengine", "serve", "--target", str(target), "--draft",
+                               str(draft), "--gamma", "2", "--port", str(port), "--log-level", "warning"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.communicate()[1]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "specengine serve did not start"
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert client.models.list().data[0].id == target.name
+        want = Engine.from_pretrained(target, draft, gamma=2).generate(["def f("], SamplingParams(
+            max_new_tokens=6, temperature=0))[0].text
+        assert client.completions.create(model=target.name, prompt="def f(", max_tokens=6,
+                                         temperature=0).choices[0].text == want
+    finally:
+        server.terminate()
+        # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status says why
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+    # A target without a tokenizer (the server takes and returns text) is refused before anything listens.
+    bare = tmp_path / "bare"
+    shutil.copytree(target, bare)
+    for f in bare.glob("tokenizer*"):
+        f.unlink()
+    assert cli_main(["serve", "--target", str(bare), "--port", str(port)]) == 2
+    assert "cannot load a tokenizer" in capsys.readouterr().err
+
+
 def test_nvtx_ranges_bracket_each_phase(monkeypatch):
     """With nvtx=True every round pushes and pops draft, verify and accept ranges (recorded here
     in place of CUDA's NVTX); with nvtx=False nothing is marked."""

@@ -122,17 +122,20 @@ def test_auto_gamma_keeps_choosing_as_rows_come_and_go(models):
     assert sum(o[-1].stats.accepted for o in outputs.values()) > 0  # it drafted
 
 
-def test_cache_grows_for_a_longer_request_that_joins(models):
-    """An eager cache sized for the first request reallocates when a longer one joins, keeping
-    the running row's entries."""
+def test_cache_grows_with_the_sequences_not_with_what_they_may_reach(models):
+    """An eager cache holds what its rows use: it grows (copying the running rows' entries) as
+    they lengthen and as rows join, not to prompt + max_new_tokens up front."""
     engine = make_engine(models)
-    short, long = params(0, max_new_tokens=8, temperature=1.0), params(1, max_new_tokens=120)
+    short, long = params(0, max_new_tokens=8, temperature=1.0), params(1, max_new_tokens=200)
     want_short = engine.generate([PROMPTS[0]], short)[0].token_ids
     want_long = engine.generate([PROMPTS[1]], long)[0].token_ids
     fresh = make_engine(models)
-    outputs = drive(fresh, {0: [("short", PROMPTS[0], short)], 1: [("long", PROMPTS[1], long)]})
-    assert tokens_of(outputs["short"]) == want_short and tokens_of(outputs["long"]) == want_long
-    assert fresh._batch.cache.capacity >= len(PROMPTS[1]) + 120
+    fresh.add_request(PROMPTS[1], long, "long")
+    first = fresh.step()
+    assert fresh._batch.cache.capacity < len(PROMPTS[1]) + 200 / 2  # not sized for all it may reach
+    rest = drive(fresh, {0: [("short", PROMPTS[0], short)]})
+    assert tokens_of(first + rest["long"]) == want_long and tokens_of(rest["short"]) == want_short
+    assert fresh._batch.cache.capacity >= len(PROMPTS[1]) + 200 - 1 and fresh._batch.cache.allocated_rows == 2
 
 
 def test_reserve_keeps_rows_and_entries():
@@ -235,3 +238,97 @@ def test_a_stream_stopped_early_frees_its_row(text_engine):
 ])
 def test_settled_length(text, stop, settled):
     assert _settled_length(text, stop) == settled
+
+
+# ---- AsyncEngine ------------------------------------------------------------------------------
+
+def test_async_streams_equal_offline_and_a_cancelled_one_is_aborted(models):
+    import asyncio
+
+    from specengine import AsyncEngine
+
+    engine = make_engine(models, cuda_graphs=True, max_batch_size=3)
+    want = [engine.generate([PROMPTS[i % 4]], params(i))[0].token_ids for i in range(5)]
+    async_engine = AsyncEngine(engine)
+
+    async def collect(i):
+        return [t async for out in async_engine.generate_async(PROMPTS[i % 4], params(i)) for t in out.new_token_ids]
+
+    async def cancelled():
+        stream = async_engine.generate_async(PROMPTS[0], params(0, max_new_tokens=200), request_id="dropped")
+        await stream.__anext__()
+        await stream.aclose()  # the consumer goes away
+        return "dropped" not in engine._unfinished
+
+    async def main():
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await async_engine.generate_async([], params(0)).__anext__()
+        results = await asyncio.gather(*(collect(i) for i in range(5)), cancelled())
+        await async_engine.close()
+        return results
+
+    *got, dropped_freed = asyncio.run(main())
+    assert got == want and dropped_freed and not engine.has_unfinished_requests()
+
+
+# ---- batch invariance of the numbers themselves --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide_bf16_model(tmp_path_factory):
+    """A bfloat16 checkpoint of two SmolLM2-sized layers: sgemm's result for a row of the down
+    projection (1536 -> 576) changed with the rows in the call."""
+    from specengine.models import load_model
+    from specengine.tiny import make_config, save_random_checkpoint
+
+    folder = tmp_path_factory.mktemp("wide")
+    save_random_checkpoint(folder, make_config(vocab_size=64, hidden_size=576, intermediate_size=1536, num_layers=2,
+                                                   num_heads=9, num_kv_heads=3),
+                           seed=4, init_std=0.1, dtype=torch.bfloat16)
+    return load_model(folder)
+
+
+def cache_rows_after(model, prompts, groups):
+    """K/V entries of each prompt, prefilled in these groups (lists of prompt indices, in order)."""
+    from specengine.engine.runner import append_prompts
+
+    entries = {}
+    for group in groups:
+        cache = model.new_cache(len(group), 128)
+        cache.reset(0)
+        with torch.inference_mode():
+            append_prompts(model, cache, [prompts[i] for i in group])
+        for row, i in enumerate(group):
+            n = len(prompts[i]) - 1
+            entries[i] = (cache.k[:, row, :n].clone(), cache.v[:, row, :n].clone())
+    return entries
+
+
+@pytest.mark.parametrize("block", ["fixed", "one GEMM per call"])
+def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(wide_bf16_model, block,
+                                                                                monkeypatch):
+    from specengine.layers import linear
+
+    if block != "fixed":  # planted: one GEMM over all the rows of a call
+        monkeypatch.setattr(linear, "blocked_gemm", lambda x, w, bias: torch.nn.functional.linear(x, w.float(), bias))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (41, 90, 12, 66, 35, 100)]
+    alone = cache_rows_after(wide_bf16_model, prompts, [[i] for i in range(len(prompts))])
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    together = cache_rows_after(wide_bf16_model, prompts, [order])
+    same = all(torch.equal(alone[i][0], together[i][0]) and torch.equal(alone[i][1], together[i][1])
+               for i in range(len(prompts)))
+    assert same == (block == "fixed")
+
+
+def test_prefill_groups_stay_on_one_side_of_the_gemm_threshold():
+    from specengine.engine.runner import _similar_lengths
+    from specengine.layers.linear import GEMM_ROWS
+
+    lengths = [2, 3, 3, 30, 31, 32, 33, 40, 200, 210, 900]
+    groups = _similar_lengths(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len({lengths[i] >= GEMM_ROWS for i in g}) == 1
+        real, padded = sum(lengths[i] for i in g), len(g) * max(lengths[i] for i in g)
+        assert padded <= real + max(real // 4, 64)
+    assert [0, 1, 2] in groups and [10] in groups

@@ -30,6 +30,9 @@ class Drafter(Protocol):
         contexts of at most `capacity` tokens. prefill=False: leave the prompts to the rows' first
         proposal (gamma="auto" may never draft for a request)."""
 
+    def reserve(self, capacity: int) -> None:
+        """Room for contexts of `capacity` tokens in every row (the target's cache grew)."""
+
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         """Up to budgets[b] draft tokens to follow sequences[b] (max(budgets) >= 1)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.graphs import StepGraphs
-from ..engine.runner import feed, to_device
+from ..engine.runner import append_prompts, feed, to_device
 from ..models.llama import LlamaForCausalLM
 from ..ops.verify import sample_warped
 from ..sampling.batch import SamplingBatch
@@ -37,10 +37,15 @@ class ModelDrafter:
                 self.cache = self.model.new_cache(len(prompts), capacity)
                 self.cache.reset(0)
         self.cache.reserve(self.cache.batch_size + len(prompts), capacity)
-        rows = self.cache.add_rows(len(prompts))
         if prefill:
-            feed(self.model, rows, [p[:-1] for p in prompts], cached=[0] * len(prompts))
+            append_prompts(self.model, self.cache, prompts)
+        else:
+            self.cache.add_rows(len(prompts))
         self.fed += [len(p) - 1 if prefill else 0 for p in prompts]
+
+    def reserve(self, capacity: int):
+        if self.cache is not None:
+            self.cache.reserve(self.cache.allocated_rows, capacity)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V_draft] -> [B, V_target], -inf on ids the draft must not propose."""

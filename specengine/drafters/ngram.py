@@ -33,6 +33,9 @@ class NgramDrafter:
     def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True):
         pass  # it reads the sequences themselves: nothing to prepare
 
+    def reserve(self, capacity: int):
+        pass
+
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         drafts = [
             _C.ngram_propose(np.asarray(seq, dtype=np.int64), self.min_n, self.max_n, budget) if budget else []

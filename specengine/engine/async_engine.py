@@ -1,19 +1,22 @@
 """An Engine driven by one background asyncio task, for servers: `async for out in
 engine.generate_async(prompt, params)` streams a request's RequestOutputs while others join.
 
-The Engine is not thread-safe, and a step is blocking work (milliseconds to seconds of matrix
-products). So one thread runs every call on it: the driver task hands each step, with the requests
-added and aborted since the last one, to a worker thread and awaits it, leaving the event loop free
-to accept connections meanwhile. Requests join at the next step, as with Engine.add_request.
+The driver task runs step() on the event loop's own thread and yields to the loop between steps,
+where connections are accepted, outputs written and requests added or aborted; they join at the
+next step, as with Engine.add_request. A step in a worker thread would keep the loop free during
+it, but torch's OpenMP then keeps a second team of threads, and with more OpenMP threads than
+cores libgomp stops spinning at its barriers: on a 2-core CPU every later step, on either thread,
+ran 1.6x slower (66 against 41 tokens/s at batch 1). So the engine is used from one thread, the
+loop's, which should be the thread that built it.
+
 Cancelling or closing a generate_async iterator (a client that went away) aborts its request.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from ..sampling.params import SamplingParams
 from .engine import Engine, Prompt
@@ -22,23 +25,12 @@ from .request import RequestOutput
 log = logging.getLogger("specengine")
 
 
-@dataclass
-class _Add:
-    prompt: Prompt
-    params: SamplingParams | None
-    request_id: str | None
-    accepted: asyncio.Future = field(default=None)  # -> the request id, or the error that refused it
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._commands: list[_Add | str] = []            # adds, and ids to abort, for the next step
-        # (only the event loop's thread touches these three; the worker thread only the engine)
-        self._streams: dict[str, asyncio.Queue] = {}     # request id -> its outputs
+        self._streams: dict[str, asyncio.Queue] = {}  # request id -> its outputs
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specengine-step")
         self.steps = 0  # steps run so far (tests and the server's /health read it)
 
     @property
@@ -49,13 +41,22 @@ class AsyncEngine:
                              request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as steps produce them, the last one finished. A bad request raises
         ValueError here, before anything is yielded."""
-        request_id = await self.add_request(prompt, params, request_id)
-        async for output in self.outputs(request_id):
-            yield output
+        request_id = self.add_request(prompt, params, request_id)
+        async with contextlib.aclosing(self.outputs(request_id)) as outputs:  # closing this closes that
+            async for output in outputs:
+                yield output
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request for the next step (a bad one raises ValueError); read its outputs with
+        outputs(request_id), which must be started (its finally aborts a request left unread)."""
+        request_id = self.engine.add_request(prompt, params, request_id)
+        self._streams[request_id] = asyncio.Queue()
+        self._start_driver()
+        return request_id
 
     async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """The outputs of a request added with add_request. Closing or cancelling the iterator
-        before the last output aborts the request. Raises the error of a step that failed it."""
+        before the last output aborts the request."""
         queue = self._streams[request_id]
         finished = False
         try:
@@ -65,23 +66,18 @@ class AsyncEngine:
                 yield output
         finally:
             self._streams.pop(request_id, None)
-            if not finished:  # cancelled or closed early: free its row
-                self._command(request_id)
+            if not finished:  # cancelled or closed early: free its row now
+                self.abort(request_id)
 
-    async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                          request_id: str | None = None) -> str:
-        """Queue a request for the next step (a bad one raises ValueError); read its outputs with
-        outputs(request_id)."""
-        add = _Add(prompt, params, request_id, asyncio.get_running_loop().create_future())
-        self._command(add)
-        return await add.accepted
-
-    async def abort(self, request_id: str):
-        """Abort a request at the next step boundary (its stream then ends with finish_reason "abort")."""
-        self._command(request_id)
+    def abort(self, request_id: str) -> bool:
+        """End a request now (its stream then ends with finish_reason "abort"); False if it had ended."""
+        aborted = self.engine.abort(request_id)
+        if aborted:
+            self._start_driver()  # the next step reports it
+        return aborted
 
     async def close(self):
-        """Stop the driver after its step; unfinished requests are aborted."""
+        """Stop the driver; unfinished requests are aborted."""
         if self._driver is not None:
             self._driver.cancel()
             try:
@@ -89,57 +85,36 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._driver = None
-        self._worker.shutdown(wait=True)
         for request_id in list(self.engine._unfinished):
             self.engine.abort(request_id)
 
-    def _command(self, command: _Add | str):
-        self._commands.append(command)
+    def _start_driver(self):
         if self._driver is None or self._driver.done():
             self._wake = asyncio.Event()
             self._driver = asyncio.get_running_loop().create_task(self._drive(), name="specengine-driver")
         self._wake.set()
 
     async def _drive(self):
-        loop = asyncio.get_running_loop()
+        engine = self.engine
         while True:
-            if not (self._commands or self.engine.has_unfinished_requests() or self.engine.has_pending_outputs()):
+            if not (engine.has_unfinished_requests() or engine.has_pending_outputs()):
                 self._wake.clear()
                 await self._wake.wait()
-            commands, self._commands = self._commands, []
-            adds = [c for c in commands if isinstance(c, _Add)]
-            results, outputs, error = await loop.run_in_executor(self._worker, self._step, commands)
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # noqa: BLE001 (the engine aborted the round's requests; keep serving)
+                # Their final outputs (finish_reason "abort", the error in message) come with the next step.
+                log.error("a step failed; its requests were aborted: %r", exc)
+                outputs = []
             self.steps += 1
-            for add, result in zip(adds, results):
-                if add.accepted.cancelled():  # its caller went away while it was being added
-                    if not isinstance(result, BaseException):
-                        self._commands.append(result)
-                elif isinstance(result, BaseException):
-                    add.accepted.set_exception(result)
-                else:  # before the outputs below: the first may already be among them
-                    self._streams[result] = asyncio.Queue()
-                    add.accepted.set_result(result)
             for out in outputs:
                 queue = self._streams.get(out.request_id)
-                if queue is not None:  # None: its consumer has gone (the abort is queued)
+                if queue is not None:  # None: its reader has gone (and aborted it)
                     queue.put_nowait(out)
-            if error is not None:
-                log.error("a step failed; its requests were aborted: %r", error)
-
-    def _step(self, commands: list[_Add | str]):
-        """On the worker thread: apply the commands in order, then one step of the engine.
-        Returns each add's request id or error, the step's outputs, and the step's error."""
-        results = []
-        for command in commands:
-            if isinstance(command, _Add):
-                try:
-                    results.append(self.engine.add_request(command.prompt, command.params, command.request_id))
-                except (ValueError, TypeError) as exc:
-                    results.append(exc)
-            else:
-                self.engine.abort(command)
-        try:
-            return results, self.engine.step(), None
-        except Exception as exc:  # noqa: BLE001 (the engine aborted the round's requests; keep serving)
-            # Their final outputs (finish_reason "abort", the error in message) come with the next step.
-            return results, [], exc
+            # Let the loop write the outputs and take new requests: one pass in which the readers
+            # take their outputs, and one in which nothing is put. anyio (under Starlette) cancels
+            # a task only while the future it awaits is pending, and retries each pass: after one
+            # yield a step had always just filled the reader's queue again, so a disconnected
+            # stream was never cancelled and ran to its end.
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)

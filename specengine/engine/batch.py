@@ -12,7 +12,7 @@ from ..models.llama import LlamaForCausalLM
 from ..sampling.batch import SamplingBatch
 from .graphs import StepGraphs
 from .request import Request
-from .runner import feed
+from .runner import append_prompts
 
 
 class RunningBatch:
@@ -28,35 +28,43 @@ class RunningBatch:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def row_capacity(self, request: Request) -> int:
-        """Positions the request can reach: its prompt and max_new_tokens, within the context."""
-        return min(self.max_seq_len, len(request.prompt_token_ids) + request.params.max_new_tokens)
-
     def admit(self, requests: list[Request], prefill_draft: bool = True):
         """Append a row per request and prefill it. prefill_draft=False leaves the draft model's
         prefill to the request's first drafting round (gamma="auto" may never draft for it)."""
-        rows, need = len(self.requests) + len(requests), max(self.row_capacity(r) for r in requests)
+        rows = len(self.requests) + len(requests)
+        need = max(len(r.prompt_token_ids) for r in requests) + self.HEADROOM
         if self.cache is None:
-            self.cache = self.target.new_cache(rows, need)
+            self.cache = self.target.new_cache(rows, min(need, self.max_seq_len))
             self.cache.reset(0)
-        elif rows > self.cache.allocated_rows or need > self.cache.capacity:
-            # Capacity grows at least twofold (within the context), as rows do: few copies as requests join.
-            capacity = max(need, min(self.max_seq_len, 2 * self.cache.capacity)) if need > self.cache.capacity \
-                else self.cache.capacity
-            self.cache.reserve(rows, capacity)
-        # Rows are appended by prompt length, a group of similar lengths per prefill call: a call
-        # pads every row to its longest (row order does not matter; seeded rows sample alike anywhere).
+        else:
+            self.cache.reserve(rows, self.cache.capacity)
+            self.make_room(need)
+        # Rows are appended by prompt length, for prefill calls over prompts of similar length
+        # (row order does not matter: seeded rows sample alike anywhere).
         requests = sorted(requests, key=lambda r: len(r.prompt_token_ids))
-        for group in _similar_lengths([len(r.prompt_token_ids) - 1 for r in requests]):
-            chunks = [requests[i].prompt_token_ids[:-1] for i in group]
-            feed(self.target, self.cache.add_rows(len(group)), chunks, cached=[0] * len(group))
         prompts = [r.prompt_token_ids for r in requests]
+        append_prompts(self.target, self.cache, prompts)
         if self.drafter is not None:
             self.drafter.add_rows(prompts, self.cache.capacity, prefill=prefill_draft)
         for r in requests:
             r.stats.target_calls += len(r.prompt_token_ids) > 1
         self.requests += requests
         self._sampling()
+
+    # Positions a row gets beyond its prompt when it joins; more come as it grows (make_room).
+    HEADROOM = 64
+
+    def make_room(self, positions: int):
+        """Let every row reach `positions` positions (within the context). A growable cache grows
+        with the sequences themselves, not with what they may reach: at least twofold each time, so
+        a row copies it a logarithmic number of times, and a chat request allowed the whole context
+        (SmolLM2's 8,192 positions cost 0.38 GB a row) holds only what it uses."""
+        if positions <= self.cache.capacity:
+            return
+        capacity = min(self.max_seq_len, max(positions, 2 * self.cache.capacity))
+        self.cache.reserve(self.cache.allocated_rows, capacity)
+        if self.drafter is not None:
+            self.drafter.reserve(capacity)
 
     def keep(self, rows: list[int]):
         """Keep these rows (in this order); the others' requests have left."""
@@ -71,17 +79,3 @@ class RunningBatch:
         self.sampling = SamplingBatch.from_params([r.params for r in self.requests],
                                                   [r.seed for r in self.requests], device) if self.requests else None
 
-
-def _similar_lengths(lengths: list[int]) -> list[list[int]]:
-    """Consecutive groups of indices into ascending lengths, each padded to its longest with at most
-    a quarter (or 64 tokens) of padding over its real tokens."""
-    groups: list[list[int]] = []
-    real = 0
-    for i, n in enumerate(lengths):
-        if groups and (len(groups[-1]) + 1) * n <= real + n + max((real + n) // 4, 64):
-            groups[-1].append(i)
-            real += n
-        else:
-            groups.append([i])
-            real = n
-    return groups

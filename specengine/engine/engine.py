@@ -253,6 +253,7 @@ class Engine:
         if request is None:
             return False
         request.finish_reason, request.message = "abort", "aborted"
+        request.stats.wall_time_s = time.perf_counter() - request.added_at
         if request in self._waiting:
             self._waiting.remove(request)
         else:
@@ -455,6 +456,8 @@ class Engine:
         sequences = [r.tokens for r in active]
         gamma = self._round_gamma(active)
         block = self._block_rounds(active, sequences, gamma)
+        # A round writes each row's last token and its drafts (a block: up to gamma + 1 per round).
+        batch.make_room(max(len(s) for s in sequences) + block * (gamma + 1))
         if block > 1:
             outcomes = run_block(self.target_steps, self.drafter, batch.sampling, sequences, gamma, block,
                                  self.verify_impl, self.phases)

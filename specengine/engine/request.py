@@ -101,7 +101,7 @@ class RequestOutput:
     message: str = ""
 
 
-@dataclass
+@dataclass(eq=False)  # a request in flight is itself, not its fields
 class Request:
     request_id: str
     prompt_token_ids: list[int]

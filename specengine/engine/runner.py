@@ -1,10 +1,11 @@
-"""Feeding ragged token chunks through a model and its static cache, and moving the loop's small
-host lists to the device."""
+"""Feeding ragged token chunks through a model and its static cache (and prompts into new rows),
+and moving the loop's small host lists to the device."""
 from __future__ import annotations
 
 import torch
 
 from ..layers.kv_cache import StaticKVCache
+from ..layers.linear import GEMM_ROWS
 from ..models.llama import LlamaForCausalLM
 
 
@@ -40,3 +41,32 @@ def feed(model: LlamaForCausalLM, cache: StaticKVCache, chunks: list[list[int]],
     cache.lengths.add_(chunk_lengths)
     rows = torch.arange(len(chunks), device=device)
     return hidden[rows, (chunk_lengths - 1).clamp(min=0)]
+
+
+def append_prompts(model: LlamaForCausalLM, cache: StaticKVCache, prompts: list[list[int]]):
+    """Append a row per prompt to the cache (reserved by the caller) holding all but its last token.
+
+    Prompts go in one call per group of consecutive prompts of similar length (sort them first):
+    a call pads every row to its longest. A group never mixes prompts below GEMM_ROWS tokens with
+    longer ones, which take the blocked GEMMs (see layers.linear): so a prompt's entries are those
+    it gets when prefilled alone, whatever prompts join with it.
+    """
+    for group in _similar_lengths([len(p) - 1 for p in prompts]):
+        feed(model, cache.add_rows(len(group)), [prompts[i][:-1] for i in group], cached=[0] * len(group))
+
+
+def _similar_lengths(lengths: list[int]) -> list[list[int]]:
+    """Consecutive groups of indices: each padded to its longest with at most a quarter (or 64
+    tokens) of padding over its real tokens, and all on one side of GEMM_ROWS."""
+    groups: list[list[int]] = []
+    real = longest = 0
+    for i, n in enumerate(lengths):
+        grown = max(longest, n)
+        if (groups and (n >= GEMM_ROWS) == (lengths[groups[-1][0]] >= GEMM_ROWS)
+                and (len(groups[-1]) + 1) * grown <= real + n + max((real + n) // 4, 64)):
+            groups[-1].append(i)
+            real, longest = real + n, grown
+        else:
+            groups.append([i])
+            real = longest = n
+    return groups

@@ -6,11 +6,30 @@ from ..ops.linear import linear_bf16_weight_cpp
 from .tracked import TracksParameterAssignments
 
 
-# From this many rows (a prefill) a bfloat16 weight is widened to float32 for one GEMM: on a
-# 2-core AVX-512 CPU the C++ few-row op held ~100 GFLOP/s at any row count, while widening and
-# oneDNN's sgemm reached 108-160 at 32 rows, 300-330 at 200 and ~400 at 800 (SmolLM2's
+# From this many tokens per row (a prefill) a bfloat16 weight is widened to float32 for GEMMs: on
+# a 2-core AVX-512 CPU the C++ few-row op held ~100 GFLOP/s at any row count, while widening and
+# oneDNN's sgemm reached 108-160 at 32 rows, 270-300 at 64 and 300-330 at 200 (SmolLM2's
 # 576 -> 1536, 576 -> 3072 and 1536 -> 576 products); below 32 rows the C++ op was faster.
+# The choice is made on tokens per row, not rows in all, so that a decoding row takes the same
+# path in a batch of any size (verifications have at most max_gamma + 1 tokens per row).
 GEMM_ROWS = 32
+# The GEMMs run in blocks of this many rows, the last padded: sgemm's result for a row changed
+# with the rows in the call (1536 -> 576 from 64 rows on), but in a call of 64 rows it was the
+# same at every position and whatever the other rows held. So a prompt's cache entries do not
+# depend on the prompts prefilled with it, and a seeded request samples alike in any batch.
+GEMM_BLOCK = 64
+
+
+def blocked_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T + bias as float32 in GEMMs of GEMM_BLOCK rows (weight widened once)."""
+    weight = weight.float()
+    rows = x.reshape(-1, x.shape[-1])
+    R = rows.shape[0]
+    pad = -R % GEMM_BLOCK
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    out = torch.cat([F.linear(rows[i:i + GEMM_BLOCK], weight, bias) for i in range(0, R + pad, GEMM_BLOCK)])
+    return out[:R].view(*x.shape[:-1], -1)
 
 
 class Linear(TracksParameterAssignments, nn.Linear):
@@ -18,7 +37,7 @@ class Linear(TracksParameterAssignments, nn.Linear):
 
     - bfloat16 weights with float32 inputs (how the loader keeps a bfloat16 checkpoint on a
       CPU): the C++ op widens the weights on the fly, reading half the bytes of a float32 copy;
-      from GEMM_ROWS rows on, a GEMM on the widened weights.
+      with GEMM_ROWS or more tokens per row ([B, T, K] inputs), blocked GEMMs on the widened weights.
     - float32 weights, 2..32 rows (a verification of gamma + 1 tokens, a small batch):
       oneDNN/MKL's x @ W^T was measured 2-4x slower than W @ x^T on an AVX2 CPU (e.g.
       512 -> 8192 at 5 rows: 7.4 ms vs 2.0 ms), which made verifying k tokens cost k times
@@ -29,11 +48,11 @@ class Linear(TracksParameterAssignments, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // x.shape[-1]
         if self.weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
-            if rows >= GEMM_ROWS:
-                return F.linear(x, self.weight.float(), self.bias)
+            if x.dim() >= 3 and x.shape[-2] >= GEMM_ROWS:
+                return blocked_gemm(x, self.weight, self.bias)
             return linear_bf16_weight_cpp(x, self.weight, self.bias)
+        rows = x.numel() // x.shape[-1]
         if not 1 < rows <= 32:
             return F.linear(x, self.weight, self.bias)
         out = (self.weight @ x.reshape(rows, -1).t()).t().contiguous()

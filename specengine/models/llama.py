@@ -204,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         # step takes ~0.6 ms.
         x = self.model.embed_tokens.weight[tokens].to(self.dtype)
         # A prefill-sized call takes the per-op path, whose products become GEMMs (see layers.linear).
-        whole_layers = cpu_kernels and self.whole_layer_kernels and B * T < GEMM_ROWS
+        whole_layers = cpu_kernels and self.whole_layer_kernels and T < GEMM_ROWS
         layer_weights = self.whole_layer_weights() if whole_layers else None
         if layer_weights is not None:
             c = self.config

@@ -119,15 +119,15 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         if name is not None and name != model_name:
             raise BadRequest(f"the model `{name}` does not exist; this server serves `{model_name}`", "model")
 
-    async def add_all(prompts: list, params, param: str) -> _Choices:
+    def add_all(prompts: list, params, param: str) -> _Choices:
         """Add every prompt's request, or none: a bad prompt aborts those added before it."""
         ids: list[str] = []
         try:
             for prompt in prompts:
-                ids.append(await engine.add_request(prompt, params))
+                ids.append(engine.add_request(prompt, params))
         except ValueError as exc:
             for request_id in ids:
-                await engine.abort(request_id)
+                engine.abort(request_id)
             raise BadRequest(str(exc), param) from None
         return _Choices(engine, ids)
 
@@ -164,7 +164,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         check_model(body.model)
         params = body.sampling_params(body.max_tokens if body.max_tokens is not None else 16)
         prompts = body.prompts()
-        choices = await add_all(prompts, params, "prompt")
+        choices = add_all(prompts, params, "prompt")
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
 
@@ -196,7 +196,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             raise BadRequest(str(exc), "messages") from None
         # Without max_tokens a chat answer may run to the end of the context.
         max_tokens = body.requested_max_tokens() or max(1, max_seq_len - len(prompt))
-        choices = await add_all([prompt], body.sampling_params(max_tokens), "messages")
+        choices = add_all([prompt], body.sampling_params(max_tokens), "messages")
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model_name}
 
