@@ -6,7 +6,7 @@ import torch
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.drafters.ngram import NgramDrafter
-from specengine.engine.engine import _settled_length
+from specengine.engine.text import settled_length
 from specengine.engine.gamma import CostModel
 from specengine.layers.kv_cache import StaticKVCache
 
@@ -237,7 +237,7 @@ def test_a_stream_stopped_early_frees_its_row(text_engine):
     ("", ("x",), 0),
 ])
 def test_settled_length(text, stop, settled):
-    assert _settled_length(text, stop) == settled
+    assert settled_length(text, stop) == settled
 
 
 # ---- AsyncEngine ------------------------------------------------------------------------------

@@ -27,43 +27,18 @@ from ..models.llama import LlamaForCausalLM
 from ..ops.verify import IMPLEMENTATIONS, verify
 from ..sampling.batch import SamplingBatch, check_logits, logits_all_finite
 from ..sampling.params import SamplingParams
-from .gamma import CostModel, GammaController, measure_costs
-from .device_rounds import RowRounds, rounds_that_fit, run_block
-from .graphs import StepGraphs
 from .batch import RunningBatch
+from .device_rounds import RowRounds, rounds_that_fit, run_block
+from .gamma import CostModel, GammaController, measure_costs
+from .graphs import StepGraphs
 from .phases import Phases
 from .request import DecodeStats, Request, RequestOutput, Result
 from .runner import to_device
+from .text import settled_length, utf8_text
 
 log = logging.getLogger("specengine")
 
 Prompt = str | bytes | Sequence[int]
-
-
-def _utf8_text(text: str | bytes | bytearray) -> str:
-    """Text that is valid UTF-8, as a str, or a ValueError saying where it is not."""
-    if isinstance(text, (bytes, bytearray)):
-        try:
-            return text.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"prompt is not valid UTF-8: byte {e.start} ({text[e.start:e.start + 1]!r})") from None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # lone surrogates, e.g. undecodable bytes from argv
-        raise ValueError(f"prompt is not valid UTF-8: character {e.start} is {text[e.start]!r}, not text") from None
-    return text
-
-
-def _settled_length(text: str, stop: Sequence[str]) -> int:
-    """How much of a running request's text is final: all but an unfinished UTF-8 sequence (the
-    tokenizer's U+FFFD) and a tail that could still grow into a stop string."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    # The longest tail of text that is a proper prefix of a stop string.
-    held = max((k for s in stop for k in range(min(len(s) - 1, end), 0, -1) if text.endswith(s[:k], 0, end)),
-               default=0)
-    return end - held
 
 
 class Engine:
@@ -339,7 +314,7 @@ class Engine:
                                    for m in messages):
             raise ValueError("chat messages must be a non-empty list of {'role': ..., 'content': str} dicts")
         for m in messages:
-            _utf8_text(m["content"])
+            utf8_text(m["content"])
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
                                                  return_dict=False)
         return list(ids)
@@ -348,7 +323,7 @@ class Engine:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, (str, bytes, bytearray)):
-            prompt = _utf8_text(prompt)
+            prompt = utf8_text(prompt)
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
             if not prompt:
@@ -437,7 +412,7 @@ class Engine:
         new_text = None
         if self.tokenizer is not None:
             text = self._text(r)
-            end = len(text) if r.finish_reason is not None else _settled_length(text, r.params.stop)
+            end = len(text) if r.finish_reason is not None else settled_length(text, r.params.stop)
             new_text = text[r.sent_chars:end] if end > r.sent_chars else ""
             r.sent_chars = max(r.sent_chars, end)
         return RequestOutput(r.request_id, new_tokens, new_text, r.finish_reason is not None, r.finish_reason,

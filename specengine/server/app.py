@@ -51,19 +51,14 @@ class _Choices:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, request_id: str):
-            try:
-                async for output in self.engine.outputs(request_id):
-                    await queue.put((index, output))
-            except BaseException as exc:  # noqa: BLE001 (handed to the reader)
-                await queue.put((index, exc))
+            async for output in self.engine.outputs(request_id):
+                queue.put_nowait((index, output))
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.request_ids)]
         try:
             remaining = len(tasks)
             while remaining:
                 index, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
                 if item.finished:
                     remaining -= 1
                     self.prompt_tokens += item.stats.prompt_tokens
