@@ -232,14 +232,13 @@ def test_cli_reports_bad_input_cleanly(tmp_path, capsys):
 
 
 def test_cli_serve_answers_an_openai_client_and_stops_cleanly(text_pair, tmp_path, capsys):
-    openai = pytest.importorskip("openai")
     import signal
     import socket
     import time
 
     import httpx
+    import openai
 
-    pytest.importorskip("uvicorn")
     target, draft = text_pair
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

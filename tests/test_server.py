@@ -6,17 +6,13 @@ import socket
 import threading
 import time
 
+import httpx
+import openai
 import pytest
+import uvicorn
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-
-import uvicorn  # noqa: E402
-
-from specengine import AsyncEngine, Engine, SamplingParams  # noqa: E402
-from specengine.server.app import create_app  # noqa: E402
+from specengine import AsyncEngine, Engine, SamplingParams
+from specengine.server.app import create_app
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
