@@ -332,3 +332,29 @@ def test_prefill_groups_stay_on_one_side_of_the_gemm_threshold():
         real, padded = sum(lengths[i] for i in g), len(g) * max(lengths[i] for i in g)
         assert padded <= real + max(real // 4, 64)
     assert [0, 1, 2] in groups and [10] in groups
+
+
+def test_a_failed_prefill_ends_only_the_joiners(models, monkeypatch):
+    from specengine.engine import batch
+
+    engine = make_engine(models)
+    want = engine.generate([PROMPTS[1]], params(1))[0].token_ids
+    outputs = drive(engine, {0: [("runs", PROMPTS[1], params(1, max_new_tokens=4))]})  # its id is free again after
+    engine.add_request(PROMPTS[1], params(1), "runs")
+    first = engine.step()
+    engine.add_request(PROMPTS[3], params(3), "joins")
+    real = batch.append_prompts
+
+    def broken(model, cache, prompts):
+        real(model, cache, prompts)  # rows appended, then the failure
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(batch, "append_prompts", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.num_running == 1 and engine.cache_rows_in_use == 1 and engine.drafter.cache.batch_size == 1
+    rest = drive(engine, {})
+    (joined,) = rest.pop("joins")
+    assert joined.finish_reason == "abort" and "its prefill failed" in joined.message
+    assert tokens_of(first + rest["runs"]) == want and outputs["runs"][-1].finished

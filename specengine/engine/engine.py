@@ -224,16 +224,14 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """End a request now and free its row; the next step() reports it (finish_reason "abort").
         False when no unfinished request has this id."""
-        request = self._unfinished.pop(request_id, None)
+        request = self._unfinished.get(request_id)
         if request is None:
             return False
-        request.finish_reason, request.message = "abort", "aborted"
-        request.stats.wall_time_s = time.perf_counter() - request.added_at
         if request in self._waiting:
             self._waiting.remove(request)
         else:
             self._batch.keep([i for i, r in enumerate(self._batch.requests) if r is not request])
-        self._aborted.append(self._output(request))
+        self._end(request, "aborted")
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -385,18 +383,31 @@ class Engine:
         if self.gamma_controller is not None:
             for r in joining:
                 r.acceptance = self.gamma_controller.new_estimate(len(self._batch) + len(joining))
-        with self.phases("prefill"):
-            # gamma="auto" feeds the draft model when it first drafts: a request whose draft
-            # does not pay may never draft, and then never pays for the draft's prefill.
-            self._batch.admit(joining, prefill_draft=self.gamma_controller is None)
+        running = len(self._batch)
+        try:
+            with self.phases("prefill"):
+                # gamma="auto" feeds the draft model when it first drafts: a request whose draft
+                # does not pay may never draft, and then never pays for the draft's prefill.
+                self._batch.admit(joining, prefill_draft=self.gamma_controller is None)
+        except BaseException as exc:
+            # Nothing half-done: the rows already running stay as they were, the joiners end.
+            self._batch.keep(list(range(running)))
+            for r in joining:
+                self._end(r, f"aborted: its prefill failed ({type(exc).__name__}: {exc})")
+            raise
         return True
 
     def _end_running(self, message: str):
         for r in self._batch.requests:
-            r.finish_reason, r.message = "abort", message
-            del self._unfinished[r.request_id]
-            self._aborted.append(self._output(r))
+            self._end(r, message)
         self._batch.keep([])
+
+    def _end(self, r: Request, message: str):
+        """Abort a request that holds no row (any more)."""
+        r.finish_reason, r.message = "abort", message
+        r.stats.wall_time_s = time.perf_counter() - r.added_at
+        del self._unfinished[r.request_id]
+        self._aborted.append(self._output(r))
 
     def _text(self, request: Request) -> str | None:
         if request.stop_text is not None:
