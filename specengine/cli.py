@@ -27,21 +27,47 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"gamma must be an integer or 'auto', got {text!r}") from None
 
 
+def _engine_arguments(parser: argparse.ArgumentParser, gamma: int | str, gamma_help: str):
+    """The models, the drafter and how they run: what generate and serve both build an Engine from."""
+    parser.add_argument("--target", help="local Hugging Face folder or GGUF file of the target model "
+                                         "(default: the default pair, target and draft)")
+    parser.add_argument("--draft", help="local Hugging Face folder or GGUF file of the draft model "
+                                        "(none: target-only)")
+    parser.add_argument("--drafter", choices=("model", "ngram"), default="model",
+                        help="draft with the --draft model, or by prompt lookup (ngram)")
+    parser.add_argument("--gamma", type=_gamma, default=gamma, help=gamma_help)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
+    parser.add_argument("--weight-dtype", choices=("float32", "bfloat16", "float16"),
+                        help="storage of the weight matrices (default: bfloat16 for a bfloat16 checkpoint "
+                             "computing in float32 on CPU, else the compute dtype)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay the draft steps and verifications from CUDA graphs (on CPU: the same "
+                             "fixed-shape steps, run eagerly)")
+    parser.add_argument("--check-every", type=int, default=1, metavar="N",
+                        help="with --cuda-graphs: run up to N rounds from device state between reads "
+                             "(output streams N rounds at a time)")
+
+
+def _models(args) -> tuple[str, str | None]:
+    """(target, draft) of --target and --draft; without --target, the default pair (its draft
+    unless another drafter is chosen)."""
+    if args.target is not None:
+        return args.target, args.draft
+    target, draft = default_pair()
+    return target, args.draft if args.draft is not None or args.drafter != "model" else draft
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specengine", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    gen.add_argument("--target", help="local Hugging Face folder or GGUF file of the target model "
-                                      "(default: the default pair, target and draft)")
-    gen.add_argument("--draft", help="local Hugging Face folder or GGUF file of the draft model "
-                                     "(none: target-only)")
-    gen.add_argument("--drafter", choices=("model", "ngram"), default="model",
-                     help="draft with the --draft model, or by prompt lookup (ngram)")
+    _engine_arguments(gen, gamma=5, gamma_help="draft tokens per round, or 'auto' to choose it each round "
+                                               "from measured costs")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true",
                      help="send the prompt as one user message through the tokenizer's chat template")
-    gen.add_argument("--gamma", type=_gamma, default=5,
-                     help="draft tokens per round, or 'auto' to choose it each round from measured costs")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -49,20 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--device", default="cpu", help="cpu or cuda")
-    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                     help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
-    gen.add_argument("--weight-dtype", choices=("float32", "bfloat16", "float16"),
-                     help="storage of the weight matrices (default: bfloat16 for a bfloat16 checkpoint "
-                          "computing in float32 on CPU, else the compute dtype)")
     gen.add_argument("--nvtx", action="store_true",
                      help="NVTX ranges (prefill, draft, verify, accept) for Nsight Systems")
-    gen.add_argument("--cuda-graphs", action="store_true",
-                     help="replay the draft steps and verifications from CUDA graphs (on CPU: the same "
-                          "fixed-shape steps, run eagerly)")
-    gen.add_argument("--check-every", type=int, default=1, metavar="N",
-                     help="with --cuda-graphs: run up to N rounds from device state between reads "
-                          "(output streams N rounds at a time)")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
 
     bench = sub.add_parser("bench", help="end-to-end speed against Hugging Face generate (alone and assisted) "
@@ -85,25 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/completions, /v1/chat/completions "
                                          "(streamed as server-sent events), /v1/models, /health")
-    serve.add_argument("--target", help="local Hugging Face folder or GGUF file of the target model "
-                                        "(default: the default pair, target and draft)")
-    serve.add_argument("--draft", help="local Hugging Face folder or GGUF file of the draft model "
-                                       "(none: target-only)")
-    serve.add_argument("--drafter", choices=("model", "ngram"), default="model",
-                       help="draft with the --draft model, or by prompt lookup (ngram)")
-    serve.add_argument("--gamma", type=_gamma, default="auto",
-                       help="draft tokens per round, or 'auto' (default) to choose it each round as the batch changes")
+    _engine_arguments(serve, gamma="auto", gamma_help="draft tokens per round, or 'auto' (default) to choose it "
+                                                      "each round as the batch changes")
     serve.add_argument("--max-gamma", type=int, default=8, help="the most drafts gamma='auto' may choose")
     serve.add_argument("--max-batch-size", type=int, default=8,
                        help="requests decoding at once (default 8); the others wait in arrival order")
     serve.add_argument("--max-seq-len", type=int, help="context per request (default: the model's)")
-    serve.add_argument("--device", default="cpu", help="cpu or cuda")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype")
-    serve.add_argument("--weight-dtype", choices=("float32", "bfloat16", "float16"),
-                       help="storage of the weight matrices")
-    serve.add_argument("--cuda-graphs", action="store_true", help="fixed-shape steps replayed from CUDA graphs")
-    serve.add_argument("--check-every", type=int, default=1, metavar="N",
-                       help="with --cuda-graphs: up to N rounds between reads from the device")
     serve.add_argument("--served-model-name", help="the model's name in the API (default: the target's file name)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000)
@@ -150,11 +151,7 @@ def serve(args) -> int:
         raise ValueError(f"serve needs fastapi and uvicorn: pip install 'specengine[serve]' ({e})") from None
     from .engine import AsyncEngine, Engine
 
-    target, draft = args.target, args.draft
-    if target is None:
-        target, default_draft = default_pair()
-        if draft is None and args.drafter == "model":
-            draft = default_draft
+    target, draft = _models(args)
     engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma, max_gamma=args.max_gamma,
                                     device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype,
                                     max_seq_len=args.max_seq_len, cuda_graphs=args.cuda_graphs,
@@ -187,11 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                                 stop=tuple(args.stop))
-        target, draft = args.target, args.draft
-        if target is None:
-            target, default_draft = default_pair()
-            if draft is None and args.drafter == "model":
-                draft = default_draft
+        target, draft = _models(args)
         engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
                                         device=args.device, dtype=args.dtype, nvtx=args.nvtx,
                                         weight_dtype=args.weight_dtype, cuda_graphs=args.cuda_graphs,
