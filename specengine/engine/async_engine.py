@@ -33,10 +33,6 @@ class AsyncEngine:
         self._driver: asyncio.Task | None = None
         self.steps = 0  # steps run so far (tests and the server's /health read it)
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
     async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None,
                              request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as steps produce them, the last one finished. A bad request raises

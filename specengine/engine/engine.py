@@ -197,11 +197,16 @@ class Engine:
         self._enqueue([request])
         return request.request_id
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests (prefilled now), run one round for every running request (a block
         of rounds with check_every > 1), and report each: the tokens it gained, the text they
         complete, whether it finished. Also reports requests aborted since the last step."""
+        return self._step(report=True)
+
+    @torch.inference_mode()
+    def _step(self, report: bool) -> list[RequestOutput]:
+        """step(); report=False builds no outputs (generate() reads whole results at the end, and
+        an output decodes its request's text)."""
         outputs, self._aborted = self._aborted, []
         joined = self._admit()
         if not self._batch.requests:
@@ -212,7 +217,8 @@ class Engine:
             # The round's rows are in no known state: end them all, and keep serving the rest.
             self._end_running(f"aborted: the round failed ({type(exc).__name__}: {exc})")
             raise
-        outputs += [self._output(r) for r in self._batch.requests]
+        if report:
+            outputs += [self._output(r) for r in self._batch.requests]
         keep = [i for i, r in enumerate(self._batch.requests) if r.finish_reason is None]
         for r in self._batch.requests:
             if r.finish_reason is not None:
@@ -264,7 +270,7 @@ class Engine:
         requests = self._start_run(prompts, params, "generate()")
         try:
             while self._unfinished:
-                self.step()
+                self._step(report=False)
         finally:
             self._end_run(requests)
         return [self._result(r) for r in requests]
