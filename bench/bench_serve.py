@@ -63,6 +63,12 @@ class Sent:
         return (self.chunk_times[-1] - self.chunk_times[0]) / (self.completion_tokens - 1)
 
 
+def requests_for(prompts: list[list[int]], count: int, max_tokens: int, temperature: float,
+                 first_seed: int) -> list[Sent]:
+    """`count` requests over the prompts in turn, seeded first_seed, first_seed + 1, ..."""
+    return [Sent(prompts[i % len(prompts)], max_tokens, temperature, first_seed + i) for i in range(count)]
+
+
 def percentiles(values: list[float]) -> dict:
     values = sorted(v for v in values if v is not None)
     if not values:
@@ -186,8 +192,6 @@ def main():
                                      max_batch_size=args.max_batch_size)
     prompts = heldout_chat_prompts(offline.tokenizer, max(args.sequential, args.requests, min(args.soak, 64), 1),
                                    max_tokens=256)
-    make = lambda n, max_tokens, seed0: [Sent(prompts[i % len(prompts)], max_tokens, args.temperature, seed0 + i)  # noqa: E731
-                                         for i in range(n)]
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     server = start_server(args, target, draft, port)
@@ -196,10 +200,12 @@ def main():
               "max_batch_size": args.max_batch_size, "max_tokens": args.max_tokens, "temperature": args.temperature,
               "phases": []}
     try:
-        asyncio.run(run_phase(base_url, "bench", make(2, 8, 10**6), 2, time.perf_counter() + 600))  # warm-up
+        warm_up = requests_for(prompts, 2, 8, args.temperature, 10**6)
+        asyncio.run(run_phase(base_url, "bench", warm_up, 2, time.perf_counter() + 600))
         result["rss_mib_start"] = rss_mib(server.pid)
-        for name, requests, clients in (("one at a time", make(args.sequential, args.max_tokens, 0), 1),
-                                        ("concurrent", make(args.requests, args.max_tokens, 1000), args.clients)):
+        alone = requests_for(prompts, args.sequential, args.max_tokens, args.temperature, 0)
+        together = requests_for(prompts, args.requests, args.max_tokens, args.temperature, 1000)
+        for name, requests, clients in (("one at a time", alone, 1), ("concurrent", together, args.clients)):
             wall, _ = asyncio.run(run_phase(base_url, "bench", requests, clients,
                                             time.perf_counter() + args.time_limit))
             result["phases"].append(summary(name, requests, wall, clients))
@@ -216,8 +222,7 @@ def main():
 
 
 def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
-    requests = [Sent(prompts[i % len(prompts)], args.soak_max_tokens, args.temperature, 5000 + i)
-                for i in range(args.soak)]
+    requests = requests_for(prompts, args.soak, args.soak_max_tokens, args.temperature, 5000)
     # The RSS at one moment swings by a few tens of MiB (allocations that come and go with a
     # prefill); the peak so far (VmHWM) is what a leak would raise.
     rss, peak = {}, {}

@@ -16,3 +16,11 @@ def tiny_model(vocab_size=32, seed=0, num_layers=2, hidden_size=32, eos=None, ma
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
     return model.eval().requires_grad_(False)
+
+
+def stop_across_tokens(tokenizer, result) -> str:
+    """Four characters of a Result's text across a token boundary (the end of one token and the
+    start of the next, within its first 11 tokens): a stop string that no single token holds."""
+    ends = [len(tokenizer.decode(result.token_ids[:n], skip_special_tokens=True)) for n in range(1, 12)]
+    boundary = next(e for e in ends[2:] if 0 < e < len(result.text) - 2)
+    return result.text[boundary - 2:boundary + 2]

@@ -14,6 +14,8 @@ import uvicorn
 from specengine import AsyncEngine, Engine, SamplingParams
 from specengine.server.app import create_app
 
+from engine_util import stop_across_tokens
+
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MODEL = "tiny-pair"
@@ -149,9 +151,7 @@ def test_chat_completion_streamed_and_not(client, offline):
 
 def test_stop_strings_that_span_tokens(client, offline):
     free = offline.generate(["x = 1\n"], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))[0]
-    ends = [len(offline.tokenizer.decode(free.token_ids[:n], skip_special_tokens=True)) for n in range(1, 12)]
-    boundary = next(e for e in ends[2:] if 0 < e < len(free.text) - 2)
-    stop = free.text[boundary - 2:boundary + 2]  # the end of one token and the start of the next
+    stop = stop_across_tokens(offline.tokenizer, free)
     stream = client.completions.create(model=MODEL, prompt="x = 1\n", max_tokens=30, temperature=0, stream=True,
                                        stop=[stop, "never appears"], extra_body={"ignore_eos": True})
     pieces = [(c.choices[0].text, c.choices[0].finish_reason) for c in stream]

@@ -10,7 +10,7 @@ from specengine.engine.text import settled_length
 from specengine.engine.gamma import CostModel
 from specengine.layers.kv_cache import StaticKVCache
 
-from engine_util import tiny_model
+from engine_util import stop_across_tokens, tiny_model
 
 V = 32
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -203,10 +203,7 @@ def test_a_stop_string_spanning_tokens_is_never_sent(text_engine):
     engine = text_engine
     free = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
     full = engine.generate(["x = 1\n"], free)[0]
-    # a stop string across token boundaries: the end of one token and the start of the next
-    ends = [len(engine.tokenizer.decode(full.token_ids[:n], skip_special_tokens=True)) for n in range(1, 12)]
-    boundary = next(e for e in ends[2:] if 0 < e < len(full.text) - 2)
-    stop = full.text[boundary - 2:boundary + 2]
+    stop = stop_across_tokens(engine.tokenizer, full)
     stopped = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, stop=(stop,))
     want = engine.generate(["x = 1\n"], stopped)[0]
     assert want.finish_reason == "stop" and want.text == full.text[:full.text.find(stop)]
