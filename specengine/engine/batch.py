@@ -36,9 +36,8 @@ class RunningBatch:
         if self.cache is None:
             self.cache = self.target.new_cache(rows, min(need, self.max_seq_len))
             self.cache.reset(0)
-        else:
-            self.cache.reserve(rows, self.cache.capacity)
-            self.make_room(need)
+        else:  # one reallocation at most, for rows and positions both
+            self.cache.reserve(rows, self._grown_capacity(need))
         # Rows are appended by prompt length, for prefill calls over prompts of similar length
         # (row order does not matter: seeded rows sample alike anywhere).
         requests = sorted(requests, key=lambda r: len(r.prompt_token_ids))
@@ -59,12 +58,17 @@ class RunningBatch:
         with the sequences themselves, not with what they may reach: at least twofold each time, so
         a row copies it a logarithmic number of times, and a chat request allowed the whole context
         (SmolLM2's 8,192 positions cost 0.38 GB a row) holds only what it uses."""
-        if positions <= self.cache.capacity:
+        capacity = self._grown_capacity(positions)
+        if capacity == self.cache.capacity:
             return
-        capacity = min(self.max_seq_len, max(positions, 2 * self.cache.capacity))
         self.cache.reserve(self.cache.allocated_rows, capacity)
         if self.drafter is not None:
             self.drafter.reserve(capacity)
+
+    def _grown_capacity(self, positions: int) -> int:
+        if positions <= self.cache.capacity:
+            return self.cache.capacity
+        return min(self.max_seq_len, max(positions, 2 * self.cache.capacity))
 
     def keep(self, rows: list[int]):
         """Keep these rows (in this order); the others' requests have left."""
