@@ -9,7 +9,8 @@
 #   3. bench_graphs on the shipped pair at batch 1 and 8, greedy and T=1 (the same rows, and the
 #      draft step eager vs replayed);
 #   4. bench_costs: the pair's eager step costs at batch 1 and 8, alpha, time per round by phase;
-#   5. bench_verify: the fused Triton verify kernel against the torch reference, full grid;
+#   5. bench_verify: the tiled Triton verify kernel, the previous one-program-per-row kernel and the
+#      torch reference, eager and replayed from a CUDA graph, float32 and bfloat16 logits;
 #   6. the Triton kernel tests, compiled (exact, statistical, invariants, no recompilation).
 # Logs, CSVs and JSON are written to a work folder and packed, after every step, into
 # $OUT/gpu-results.tar.gz (one file: the device tool returns at most 8). Budget: the steps'
@@ -60,13 +61,14 @@ step tests-graphs 45 "$PY" -m pytest -q -rs tests/test_graphs.py tests/test_devi
   tests/test_widen.py
 # Eager rounds are the slow rows (an eager step of the 1.0B target took 14-20 ms on the H200's host
 # in 2026-11-29's runs): one eager gamma on the widened target, sizes chosen to fit the timeouts.
-step graphs-widened 100 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 --temperatures 0 \
+step graphs-widened 90 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 --temperatures 0 \
   --gammas 2 3 4 --eager-gammas 3 --prompts 4 --new-tokens 32 --repeats 3 --out "$OUT/graphs-widened.json"
-step graphs-shipped 150 "$PY" bench/bench_graphs.py --device cuda --target shipped --batches 1 8 \
+step graphs-shipped 110 "$PY" bench/bench_graphs.py --device cuda --target shipped --batches 1 8 \
   --gammas 1 2 3 4 --eager-gammas 2 --prompts 8 --new-tokens 32 --repeats 3 --out "$OUT/graphs-shipped.json"
 step costs 30 "$PY" bench/bench_costs.py --device cuda --big-layers 0 --prompts 8 --out "$OUT/costs-gpu.json"
-step verify-bench 50 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
-step tests-kernels 60 "$PY" -m pytest -q -rs tests/test_verify_kernels.py tests/test_sample_warped.py tests/test_csrc.py
+step verify-bench 75 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
+step tests-kernels 85 "$PY" -m pytest -q -rs tests/test_verify_kernels.py tests/test_sample_warped.py tests/test_csrc.py \
+  tests/test_engine_sampling.py -k "not test_speculative_sampling_matches"
 
 echo "results in $PACK/gpu-results.tar.gz (status $status)"
 exit $status

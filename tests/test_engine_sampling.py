@@ -100,3 +100,30 @@ def test_seeded_request_is_reproducible_and_batch_invariant(target, draft, impl)
     assert plain.generate([PROMPT], mine)[0].token_ids == plain.generate([[4, 4], PROMPT], [others[1], mine])[1].token_ids
     # Different seeds give different samples.
     assert engine.generate([PROMPT], SamplingParams(max_new_tokens=20, seed=99))[0].token_ids != alone.token_ids
+
+
+def test_sampling_batch_knows_whether_any_row_filters():
+    from specengine.sampling.batch import SamplingBatch
+
+    def filters(*params):
+        return SamplingBatch.from_params(list(params), [0] * len(params), "cpu").filters
+
+    assert not filters(SamplingParams(temperature=1.0), SamplingParams(temperature=0.5))
+    assert not filters(SamplingParams(temperature=0.0, top_k=5, top_p=0.5))  # greedy rows warp nothing
+    assert filters(SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3))
+    assert filters(SamplingParams(top_p=0.9)) and filters(SamplingParams(min_p=0.1))
+    batch = SamplingBatch.from_params([SamplingParams(), SamplingParams(top_k=2)], [0, 1], "cpu")
+    assert batch.select([0]).filters  # a subset keeps the safe answer
+
+
+def test_triton_verify_in_the_loop_gives_the_cpp_tokens(target, draft):
+    """The Triton kernel (in its interpreter on CPU) inside the engine: seeded requests in a batch
+    without filters (their passes skipped) and in one with top-k, top-p and greedy rows."""
+    batches = [[SamplingParams(max_new_tokens=10, temperature=t, seed=s) for s, t in enumerate((1.0, 0.6, 1.4))],
+               [SamplingParams(max_new_tokens=10, temperature=0.8, top_k=2, seed=7),
+                SamplingParams(max_new_tokens=10, top_p=0.8, seed=8), SamplingParams(max_new_tokens=10, temperature=0.0)]]
+    for params in batches:
+        tokens = {impl: [r.token_ids for r in Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3,
+                                                     verify_impl=impl).generate([PROMPT] * 3, params)]
+                  for impl in ("cpp", "triton")}
+        assert tokens["triton"] == tokens["cpp"]

@@ -135,7 +135,7 @@ def test_static_draft_phase_is_one_fixed_shape_computation_and_decodes_as_eager(
     assert [r.token_ids for r in static.generate(prompts, params)] == want
     # one fixed-shape draft phase per (bucket, gamma) in use, no separate draft steps
     keys = static.drafter.steps.graphs.entries
-    assert ("draft phase", 4, 3) in keys and all(k[0] == "draft phase" for k in keys)
+    assert ("draft phase", 4, 3, False) in keys and all(k[0] == "draft phase" for k in keys)  # False: no filters
     # The first draft distribution of each row is the draft model's on its whole prompt.
     drafter, model = static.drafter, static.drafter.model
     sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * 3, [1, 2, 3], "cpu")

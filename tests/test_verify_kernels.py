@@ -1,7 +1,8 @@
 """The fused verify kernels (C++ on CPU, Triton in its interpreter on CPU or compiled on a GPU)
 against the pure-torch reference: exact given the same uniforms, greedy/one-hot, statistical,
-invariants, hostile shapes. The interpreter costs milliseconds per program, so Triton's CPU
-grids stay small; its large statistical runs are marked gpu."""
+invariants, hostile shapes. The interpreter costs about 10 ms per program (a row's tile), so
+Triton's CPU grids stay small; its statistical runs (100,000 rows) are marked gpu, and the same
+test runs the C++ kernel on CPU."""
 import re
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from specengine.ops.verify import verify
 from specengine.sampling.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniforms
 from specengine.sampling.verify import verify_reference
-from specengine.sampling.warp import warp_probs
+from specengine.sampling.warp import sample_from_probs, warp_probs
 
 from conftest import portable_cpu_kernels
 from stats_util import chi_square_pvalue
@@ -26,7 +27,8 @@ def device_for(impl):
     return "cpu" if impl.startswith("cpp") else DEVICE
 
 
-def run(impl, case: VerifyCase, explicit=True, seeds=None, positions=None, target_lengths=None, draft_lengths=None):
+def run(impl, case: VerifyCase, explicit=True, seeds=None, positions=None, target_lengths=None, draft_lengths=None,
+        filters=True):
     dev = device_for(impl)
     B = case.num_drafts.shape[0]
     to = lambda t: None if t is None else t.to(dev).contiguous()  # noqa: E731
@@ -37,7 +39,8 @@ def run(impl, case: VerifyCase, explicit=True, seeds=None, positions=None, targe
                      to(case.temperature), to(case.top_k), to(case.top_p), to(case.min_p), to(seeds), to(positions),
                      u_accept=to(case.u_accept) if explicit else None,
                      u_sample=to(case.u_sample) if explicit else None,
-                     target_lengths=target_lengths, draft_lengths=draft_lengths, impl=impl.removesuffix("-portable"))
+                     target_lengths=target_lengths, draft_lengths=draft_lengths, impl=impl.removesuffix("-portable"),
+                     filters=filters)
     return tuple(t.cpu() for t in out)
 
 
@@ -76,9 +79,14 @@ def assert_matches_reference(case: VerifyCase, got):
 
 
 def shapes_for(impl):
-    shapes = [(1, 1, 1), (3, 2, 111), (5, 8, 111), (1, 4, 8193), (3, 1, 64), (6, 3, 17), (64, 2, 16)]
+    # Vocabularies across the Triton kernel's tiles (4096): one entry, one partial tile, 8193 =
+    # two tiles and one entry. random_case's rows cycle through greedy, min-p, top-k and top-p,
+    # so B >= 4 meets every warp (B = 3 at 151936 leaves out top-p, the interpreter's slowest).
+    shapes = [(1, 1, 1), (7, 1, 1), (3, 2, 111), (5, 8, 111), (4, 4, 8193), (3, 1, 64), (6, 3, 17), (17, 2, 16),
+              (4, 2, 32000), (4, 1, 49152), (3, 1, 151936)]
     if impl.startswith("cpp") or GPU:
-        shapes += [(3, 3, 32000), (2, 2, 151936), (64, 5, 64), (8, 8, 1000), (1, 6, 32000)]
+        shapes += [(64, 2, 16), (3, 3, 32000), (2, 2, 151936), (64, 5, 64), (8, 8, 1000), (1, 6, 32000),
+                   (4, 1, 151936)]
     if GPU:
         shapes += [(64, 8, 32000), (8, 4, 151936)]
     return shapes
@@ -112,6 +120,39 @@ def test_huge_logits_and_all_but_one_masked(impl):
     case.draft_logits[1, :, 7] = 0.0  # the draft can only say token 7
     case.draft_tokens[1] = 7
     assert_matches_reference(case, run(impl, case))
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thresholds_inside_and_at_the_edges_of_tied_logits(impl, dtype):
+    """Logits in steps of 0.5 (groups of equal values): top-k, top-p and min-p cut inside the
+    groups and at their edges, where every tie is kept; k = 1, V - 1 and V, top-p near 0 and 1."""
+    B, G, V = 12, 2, 300
+    g = torch.Generator().manual_seed(3)
+    target = (torch.randn(B, G + 1, V, generator=g) * 4).round() / 2
+    draft = ((target[:, :G] + torch.randn(B, G, V, generator=g)) * 2).round() / 2
+    temperature = torch.tensor([1.0, 0.8, 1.0, 1.2, 1.0, 1.0, 0.9, 1.0, 1.0, 1.0, 0.7, 1.0])
+    top_k = torch.tensor([1, 2, 7, V - 1, V, 0, 0, 0, 0, 0, 3, 50])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.01, 0.5, 0.95, 0.999, 1.0, 0.7, 0.3])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.2, 0.0])
+    q = warp_probs(draft.reshape(B * G, V), *(t.repeat_interleave(G) for t in (temperature, top_k, top_p, min_p)))
+    tokens = sample_from_probs(q, torch.rand(B * G, generator=g)).view(B, G)
+    case = VerifyCase(target.to(dtype), draft.to(dtype), tokens, torch.full((B,), G), temperature, top_k, top_p,
+                      min_p, torch.rand(B, G + 1, generator=g), torch.rand(B, G + 1, generator=g))
+    assert_matches_reference(case, run(impl, case))
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_temperature_only_rows_without_the_filter_passes(impl, one_hot):
+    """filters=False (no row uses top-k, top-p or min-p) gives the reference's tokens, and on
+    the same rows exactly what the full kernel gives."""
+    case = random_case(6, 3, 4100, seed=12, one_hot=one_hot, params="plain")
+    case.temperature = torch.tensor([0.0, 1.0, 0.6, 1.7, 0.0, 1.0])
+    plain = run(impl, case, filters=False)
+    assert_matches_reference(case, plain)
+    full = run(impl, case, filters=True)
+    assert torch.equal(plain[0], full[0]) and torch.equal(plain[1], full[1])
 
 
 @pytest.mark.parametrize("impl", KERNELS)
@@ -187,15 +228,17 @@ def test_emitted_token_is_distributed_as_p(impl, warp, one_hot):
 
 @pytest.mark.gpu
 def test_triton_does_not_recompile_for_new_round_sizes():
-    from specengine.kernels.verify import _verify_kernel
+    from specengine.kernels import verify as kernels
 
-    cache = _verify_kernel.device_caches[torch.cuda.current_device()][0]
-    before = set(cache)  # earlier tests compiled other dtypes and flags
-    for G, V in [(1, 64), (3, 64), (5, 100), (2, 100)]:
-        case = random_case(4, G, V, seed=G)
-        run("triton", case)
-    # One specialisation per (dtype, flags, BLOCK): here BLOCK 64 and 128, not one per G or V.
-    assert len(set(cache) - before) <= 2
+    launched = [kernels._stats_kernel, kernels._top_k_kernel, kernels._top_p_first_kernel, kernels._top_p_kernel,
+                kernels._floor_kernel, kernels._decide_kernel, kernels._sample_kernel]
+    caches = [k.device_caches[torch.cuda.current_device()][0] for k in launched]
+    for G, V in [(1, 64), (3, 64), (5, 100), (2, 100)]:  # the first call compiles (TILE 64 and 128)
+        run("triton", random_case(4, G, V, seed=G))
+    before = [set(c) for c in caches]
+    for G, V in [(2, 60), (4, 33), (6, 120), (1, 99), (8, 127)]:  # the same tiles, new G and V
+        run("triton", random_case(5, G, V, seed=G))
+    assert all(set(c) == b for c, b in zip(caches, before)), "a new round size compiled a kernel again"
 
 
 @pytest.mark.slow

@@ -88,7 +88,7 @@ class ModelDrafter:
         for i in range(G):
             logits = self._fit_vocab(logits)
             token = sample_warped(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-                                  u[:, i]).clamp_(0, self.num_real_tokens - 1)
+                                  u[:, i], filters=sampling.filters).clamp_(0, self.num_real_tokens - 1)
             tokens.append(token)
             all_logits.append(logits)
             if i + 1 < G:
@@ -158,7 +158,8 @@ class ModelDrafter:
         """fill(buffers) writes the bucket's chunks [bucket, W] and rows [3, bucket] (starts,
         lengths, index of the last token in the chunk); the sampling rows are copied here."""
         bucket, W, device = self.steps.bucket(B), self.CATCH_UP_WIDTH, self.model.device
-        key = ("draft phase", bucket, G)
+        # A batch without top-k, top-p or min-p gets its own graph, whose sampling skips them.
+        key = ("draft phase", bucket, G, sampling.filters)
         buffers = self.steps.graphs.buffers(key, lambda: dict(
             chunks=torch.zeros(bucket, W, dtype=torch.int64, device=device),
             rows=torch.zeros(3, bucket, dtype=torch.int64, device=device),
@@ -168,16 +169,17 @@ class ModelDrafter:
         fill(buffers)
         for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
             buffers[name][:B].copy_(getattr(sampling, name))
-        tokens, logits = self.steps.graphs.run(key, lambda **b: self._draft_phase(G=G, **b))
+        tokens, logits = self.steps.graphs.run(key, lambda **b: self._draft_phase(G=G, filters=sampling.filters, **b))
         self.cache.lengths.copy_(buffers["rows"][1, :B] + (G - 1))
         return tokens[:B], logits[:B]
 
-    def _draft_phase(self, chunks, rows, temperature, top_k, top_p, min_p, seeds, G: int):
+    def _draft_phase(self, chunks, rows, temperature, top_k, top_p, min_p, seeds, G: int, filters: bool):
         """The static draft phase of a full bucket on the persistent cache (see _propose_static)."""
         (catch_up,) = self.steps.forward(chunks, rows[0])  # [bucket, W, V_draft]
         logits = catch_up[torch.arange(chunks.shape[0], device=chunks.device), rows[2]]
         step = lambda tokens, positions, i: self.steps.forward(tokens[:, None], positions)[0][:, 0]  # noqa: E731
-        return self._draft_loop(logits, rows[1], SamplingBatch(temperature, top_k, top_p, min_p, seeds), G, step)
+        return self._draft_loop(logits, rows[1], SamplingBatch(temperature, top_k, top_p, min_p, seeds, filters), G,
+                                step)
 
     @property
     def cache_lengths(self) -> torch.Tensor:

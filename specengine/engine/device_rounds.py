@@ -70,7 +70,8 @@ def run_block(target_steps: StepGraphs, drafter, sampling: SamplingBatch, sequen
             emitted, counts = verify(logits, draft_logits, drafts, num_drafts, sampling.temperature, sampling.top_k,
                                      sampling.top_p, sampling.min_p, sampling.seeds, lengths,
                                      target_lengths=cache.lengths,
-                                     draft_lengths=drafter.cache_lengths if G > 0 else None, impl=verify_impl)
+                                     draft_lengths=drafter.cache_lengths if G > 0 else None, impl=verify_impl,
+                                     filters=sampling.filters)
             # Append the emitted tokens to each row's output (the rest of the row goes to the spill column).
             kept = column < counts[:, None]
             out.scatter_(1, torch.where(kept, n_out[:, None] + column, out.shape[1] - 1), emitted)

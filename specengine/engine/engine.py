@@ -554,6 +554,7 @@ class Engine:
                 logits, proposal.logits, proposal.tokens, proposal.num_drafts, sampling.temperature, sampling.top_k,
                 sampling.top_p, sampling.min_p, sampling.seeds, to_device(lengths, torch.int64, device),
                 target_lengths=cache.lengths, draft_lengths=draft_lengths, impl=self.verify_impl,
+                filters=sampling.filters,
             )
         return emitted, num_emitted, logit_checks
 

@@ -42,8 +42,13 @@ def verify(
     target_lengths: torch.Tensor | None = None,  # [B] int64, advanced in place by the emitted count
     draft_lengths: torch.Tensor | None = None,   # [B] int64, set in place to min(itself, new target length)
     impl: str = "auto",
+    filters: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Emitted tokens [B, G+1] int64 (-1 after each row's end) and their count [B] int64."""
+    """Emitted tokens [B, G+1] int64 (-1 after each row's end) and their count [B] int64.
+
+    filters=False promises that no row uses top-k, top-p or min-p (SamplingBatch.filters knows
+    it from the host's parameters): the Triton kernel then skips their passes, and reads only
+    the temperature. The other implementations need no such promise and ignore it."""
     # Every condition is tested before its message is built: formatting the ~50 messages of a
     # call cost ~100 us a round on a 2-core CPU, more than the C++ step itself (~30 us).
     if impl not in IMPLEMENTATIONS:
@@ -102,7 +107,7 @@ def verify(
         from ..kernels.verify import verify_triton
 
         return verify_triton(target_logits, draft_logits, draft_tokens, num_drafts, temperature, top_k, top_p,
-                             min_p, seeds, positions, u_accept, u_sample, target_lengths, draft_lengths)
+                             min_p, seeds, positions, u_accept, u_sample, target_lengths, draft_lengths, filters)
     if u_accept is None:
         steps = positions[:, None] + torch.arange(G1, device=device)
         u_accept, u_sample = uniforms(seeds, steps, STREAM_ACCEPT), uniforms(seeds, steps, STREAM_SAMPLE)
@@ -123,6 +128,7 @@ def sample_warped(
     min_p: torch.Tensor,        # [B] float32, 0 = off
     u: torch.Tensor,            # [B] float32 in [0, 1), the inverse-CDF uniform of each row
     impl: str = "auto",
+    filters: bool = True,       # as verify's
 ) -> torch.Tensor:
     """One token per row [B] int64 from the warped distribution, as
     sample_from_probs(warp_probs(logits, ...), u): a drafter's step.
@@ -150,7 +156,7 @@ def sample_warped(
     draft_counts = torch.zeros(B, dtype=torch.int64, device=logits.device)
     u = u.to(torch.float32).reshape(B, 1).contiguous()
     emitted, _ = verify(logits[:, None], None, no_drafts, draft_counts, temperature, top_k, top_p, min_p,
-                        draft_counts, draft_counts, u_accept=u, u_sample=u, impl=impl)
+                        draft_counts, draft_counts, u_accept=u, u_sample=u, impl=impl, filters=filters)
     return emitted[:, 0]
 
 

@@ -16,17 +16,22 @@ class SamplingBatch:
     top_p: torch.Tensor        # [B] float32
     min_p: torch.Tensor        # [B] float32
     seeds: torch.Tensor        # [B] int64
+    # Whether a row may use top-k, top-p or min-p. Known on the host when the batch is built from
+    # parameters; True (the safe answer) for tensors filled elsewhere, e.g. a CUDA graph's buffers.
+    filters: bool = True
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], seeds: list[int], device) -> "SamplingBatch":
         def col(name, dtype):
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+        filters = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
         return cls(col("temperature", torch.float32), col("top_k", torch.int64), col("top_p", torch.float32),
-                   col("min_p", torch.float32), torch.tensor(seeds, dtype=torch.int64, device=device))
+                   col("min_p", torch.float32), torch.tensor(seeds, dtype=torch.int64, device=device), filters)
 
     def select(self, rows: list[int]) -> "SamplingBatch":
         index = torch.tensor(rows, dtype=torch.int64, device=self.seeds.device)
-        return SamplingBatch(*(t[index] for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seeds)))
+        return SamplingBatch(*(t[index] for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seeds)),
+                             self.filters)
 
 
 class InvalidLogitsError(ValueError):
