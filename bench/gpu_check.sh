@@ -11,10 +11,12 @@
 #   4. bench_costs: the pair's eager step costs at batch 1 and 8, alpha, time per round by phase;
 #   5. bench_verify: the tiled Triton verify kernel, the previous one-program-per-row kernel and the
 #      torch reference, eager and replayed from a CUDA graph, float32 and bfloat16 logits;
-#   6. the Triton kernel tests, compiled (exact, statistical, invariants, no recompilation).
+#   6. the Triton kernel tests, compiled (exact, statistical, invariants, no recompilation);
+#   7. with two or more GPUs only: the shipped target split over two (NCCL, every round's tokens
+#      compared across the ranks), greedy output against one GPU's. One GPU: skipped, and said so.
 # Logs, CSVs and JSON are written to a work folder and packed, after every step, into
 # $OUT/gpu-results.tar.gz (one file: the device tool returns at most 8). Budget: the steps'
-# timeouts add up to 435 s, the install's to 75 s.
+# timeouts add up to 435 s (100 s more with two GPUs), the install's to 75 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-results}"
@@ -69,6 +71,24 @@ step costs 30 "$PY" bench/bench_costs.py --device cuda --big-layers 0 --prompts 
 step verify-bench 75 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
 step tests-kernels 85 "$PY" -m pytest -q -rs tests/test_verify_kernels.py tests/test_sample_warped.py tests/test_csrc.py \
   tests/test_engine_sampling.py -k "not test_speculative_sampling_matches"
+
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$GPUS" -gt 1 ]; then
+  TP_ARGS=(generate --target specengine/pretrained/pycode-target --draft specengine/pretrained/pycode-draft
+           --device cuda --prompt "def fibonacci(n):" --max-new-tokens 64 --temperature 0 --gamma 3 --json)
+  step tp-single 40 "$PY" -m specengine "${TP_ARGS[@]}"
+  step tp-split 60 env SPECENGINE_CHECK_RANKS=1 "$PY" -m torch.distributed.run --nproc-per-node 2 -m specengine \
+    "${TP_ARGS[@]}" --tensor-parallel 2
+  tokens() { grep '^{' "$OUT/$1.log" | "$PY" -c 'import json, sys; print(json.loads(sys.stdin.readline())["token_ids"])'; }
+  if [ -n "$(tokens tp-single)" ] && [ "$(tokens tp-single)" = "$(tokens tp-split)" ]; then
+    echo "== tp: the split target's greedy output equals one GPU's" | tee "$OUT/tp.log"
+  else
+    echo "== tp: the split target's greedy output differs from one GPU's" | tee "$OUT/tp.log"; status=1
+  fi
+else
+  echo "== tp: skipped: $GPUS GPU here, tensor parallelism needs two" | tee "$OUT/tp.log"
+fi
+pack
 
 echo "results in $PACK/gpu-results.tar.gz (status $status)"
 exit $status

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .sampling.params import SamplingParams
@@ -48,6 +49,9 @@ def _engine_arguments(parser: argparse.ArgumentParser, gamma: int | str, gamma_h
     parser.add_argument("--check-every", type=int, default=1, metavar="N",
                         help="with --cuda-graphs: run up to N rounds from device state between reads "
                              "(output streams N rounds at a time)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="split the target over N ranks: run under `torchrun --nproc-per-node N -m specengine "
+                             "...` (NCCL on CUDA, gloo on CPU); rank 0 prints")
 
 
 def _models(args) -> tuple[str, str | None]:
@@ -151,6 +155,9 @@ def serve(args) -> int:
         raise ValueError(f"serve needs fastapi and uvicorn: pip install 'specengine[serve]' ({e})") from None
     from .engine import AsyncEngine, Engine
 
+    if args.tensor_parallel != 1:
+        # Requests reach rank 0's HTTP server only; the other ranks would have to follow its batch.
+        raise ValueError("serve runs one process: --tensor-parallel is for generate")
     target, draft = _models(args)
     engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma, max_gamma=args.max_gamma,
                                     device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype,
@@ -188,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
                                         device=args.device, dtype=args.dtype, nvtx=args.nvtx,
                                         weight_dtype=args.weight_dtype, cuda_graphs=args.cuda_graphs,
-                                        max_batch_size=1, check_every=args.check_every)
+                                        max_batch_size=1, check_every=args.check_every,
+                                        tensor_parallel=args.tensor_parallel)
+        quiet = engine.target.tp is not None and engine.target.tp.rank != 0  # rank 0 prints
+        if quiet:
+            sys.stdout = open(os.devnull, "w")
         prompt = args.prompt
         if args.chat:
             prompt = engine.chat_prompt([{"role": "user", "content": prompt}])
@@ -204,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"specengine: error: {e}", file=sys.stderr)
         return 2
-    print(f"[specengine] {engine.last_run_stats.summary()}", file=sys.stderr)
+    if not quiet:
+        print(f"[specengine] {engine.last_run_stats.summary()}", file=sys.stderr)
     return 0
 
 

@@ -13,6 +13,7 @@ Without a drafter every round is plain target-only decoding through the same cod
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..drafters.base import Drafter, Proposal
+from ..layers.parallel import init_tensor_parallel
 from ..models.llama import LlamaForCausalLM
 from ..ops.verify import IMPLEMENTATIONS, verify
 from ..sampling.batch import SamplingBatch, check_logits, logits_all_finite
@@ -92,6 +94,8 @@ class Engine:
                 eos_token_ids = (tokenizer.eos_token_id,)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.verify_impl = verify_impl
+        # A debug mode for a split target: compare every round's tokens across the ranks.
+        self._check_ranks = target.tp is not None and os.environ.get("SPECENGINE_CHECK_RANKS") == "1"
         self.phases = Phases(nvtx, time_phases)
         self.last_run_phases: dict[str, float] | None = None
         self.last_run_stats: DecodeStats | None = None
@@ -144,7 +148,7 @@ class Engine:
                         max_seq_len: int | None = None, verify_impl: str = "auto", max_gamma: int = 8,
                         nvtx: bool = False, weight_dtype: str | torch.dtype | None = None,
                         time_phases: bool = False, cuda_graphs: bool = False, max_batch_size: int | None = None,
-                        check_every: int = 1) -> "Engine":
+                        check_every: int = 1, tensor_parallel: int = 1) -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders or GGUF files.
 
         A draft folder without tokenizer files shares the target's tokenizer (its vocab_size must be
@@ -155,6 +159,12 @@ class Engine:
 
         drafter "model" uses the draft folder (none given: target-only decoding); "ngram"
         drafts by prompt lookup and takes no draft folder.
+
+        tensor_parallel=N splits the target over the N ranks of a torch.distributed group (an
+        initialised one, or one set up from torchrun's environment: NCCL on CUDA, each rank on the
+        GPU of its LOCAL_RANK; gloo on CPU); each rank reads only its part of the checkpoint. The
+        draft is replicated. Every rank runs the same loop and emits the same tokens
+        (SPECENGINE_CHECK_RANKS=1 checks it every round).
         """
         from ..drafters.model import ModelDrafter
         from ..drafters.ngram import NgramDrafter
@@ -167,7 +177,12 @@ class Engine:
             raise ValueError("the ngram drafter takes no draft model; drop `draft` or use drafter='model'")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"device {device!r} requested but CUDA is not available")
-        target_model = load_model(target, device, dtype, weight_dtype)
+        if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be a positive integer, got {tensor_parallel!r}")
+        tp = None
+        if tensor_parallel > 1:
+            tp, device = init_tensor_parallel(tensor_parallel, device)
+        target_model = load_model(target, device, dtype, weight_dtype, tp)
         tokenizer = load_tokenizer(target)
         chosen: Drafter | None = None
         if drafter == "ngram":
@@ -369,9 +384,14 @@ class Engine:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
         # Validate every prompt before queueing any: bad input leaves nothing half-done.
         encoded = [self._encode(p) for p in prompts]
-        return [Request(request_id, tokens, p, p.seed if p.seed is not None else secrets.randbits(63),
-                        DecodeStats(gamma=self.gamma, prompt_tokens=len(tokens)))
-                for request_id, tokens, p in zip(ids, encoded, params)]
+        seeds = [p.seed if p.seed is not None else self._random_seed() for p in params]
+        return [Request(request_id, tokens, p, seed, DecodeStats(gamma=self.gamma, prompt_tokens=len(tokens)))
+                for request_id, tokens, p, seed in zip(ids, encoded, params, seeds)]
+
+    def _random_seed(self) -> int:
+        """A seed for a request without one; with a split target, rank 0's (every rank samples alike)."""
+        seed = secrets.randbits(63)
+        return seed if self.target.tp is None else self.target.tp.broadcast_int(seed)
 
     def _enqueue(self, requests: list[Request]):
         now = time.perf_counter()
@@ -456,6 +476,10 @@ class Engine:
         else:
             outcomes, gamma = self._round(batch.cache, active, sequences, gamma, batch.sampling, device)
         self.rounds += outcomes[0].rounds
+        if self._check_ranks:
+            tokens = [t for o in outcomes for t in [len(o.tokens), *o.tokens]]
+            self.target.tp.check_same(torch.tensor(tokens, device=self.target.tp.device),
+                                      f"tokens emitted in round {self.rounds}")
         for r, outcome in zip(active, outcomes):
             self._account(r, outcome)
             r.acceptance.update(outcome.accepted, outcome.rejections)
@@ -475,7 +499,9 @@ class Engine:
     def _round_gamma(self, active: list[Request]) -> int:
         if self.gamma_controller is None:
             return self.gamma
-        return self.gamma_controller.choose([r.acceptance for r in active])
+        gamma = self.gamma_controller.choose([r.acceptance for r in active])
+        # Chosen from timings, which differ between ranks: every rank takes rank 0's choice.
+        return gamma if self.target.tp is None else self.target.tp.broadcast_int(gamma)
 
     def _round(self, cache, active: list[Request], sequences, gamma: int, sampling: SamplingBatch,
                device) -> tuple[list[RowRounds], int]:

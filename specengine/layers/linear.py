@@ -46,16 +46,35 @@ class Linear(TracksParameterAssignments, nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        if self.weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
-            if x.dim() >= 3 and x.shape[-2] >= GEMM_ROWS:
-                return blocked_gemm(x, self.weight, self.bias)
-            return linear_bf16_weight_cpp(x, self.weight, self.bias)
-        rows = x.numel() // x.shape[-1]
-        if not 1 < rows <= 32:
-            return F.linear(x, self.weight, self.bias)
-        out = (self.weight @ x.reshape(rows, -1).t()).t().contiguous()
-        if self.bias is not None:
-            out += self.bias
-        return out.view(*x.shape[:-1], -1)
+        return linear_product(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
+    """A Linear whose input features are split over tensor-parallel ranks (o_proj, down_proj): each
+    rank's partial product is summed by one all-reduce, and the bias (whole on every rank) added
+    once after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce_(linear_product(x, self.weight, None))
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def linear_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias, on the CPU paths Linear describes."""
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+        if x.dim() >= 3 and x.shape[-2] >= GEMM_ROWS:
+            return blocked_gemm(x, weight, bias)
+        return linear_bf16_weight_cpp(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    if not 1 < rows <= 32:
+        return F.linear(x, weight, bias)
+    out = (weight @ x.reshape(rows, -1).t()).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], -1)

@@ -3,7 +3,8 @@
 Forward takes tokens [B, T] and per-row start positions [B], writes K/V into a static
 cache at those positions and lets each row attend only to its own prefix. Module names
 match transformers', except that q/k/v and gate/up are packed into one matrix each
-(checkpoint_tensors maps the checkpoint's names onto their rows).
+(checkpoint_tensors maps the checkpoint's names onto their rows). Built with a TensorParallel,
+the model holds one rank's share (layers.parallel; checkpoint_slices says what it reads).
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.kv_cache import StaticKVCache
-from ..layers.linear import GEMM_ROWS, Linear
+from ..layers.linear import GEMM_ROWS, Linear, RowParallelLinear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import TensorParallel, TensorParallelError
 from ..layers.rotary import rope_cos_sin, rope_inv_freq
 from ..layers.tracked import TracksParameterAssignments
 from ..ops.attention import attention_mask, cached_attention_cpp, cached_attention_reference
@@ -35,17 +37,26 @@ class StepInputs:
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the torch attention (None with cpu_kernels)
 
 
+def _output(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> Linear:
+    """o_proj and down_proj: row-parallel (an all-reduce) when the model is split."""
+    return Linear(in_features, out_features, bias=bias) if tp is None else RowParallelLinear(
+        in_features, out_features, bias, tp)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.sliding_window = cfg.sliding_window
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
+        # This rank's heads (all of them unsplit); a KV head's query heads stay on its rank.
+        self.num_heads = cfg.num_heads if tp is None else tp.split(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = cfg.num_kv_heads if tp is None else tp.split(cfg.num_kv_heads, "num_key_value_heads")
         # q, k and v in one matrix: one product per step instead of three (checkpoints keep
         # q_proj, k_proj and v_proj; the loader writes them into their rows, see checkpoint_tensors).
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = _output(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -73,12 +84,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        inter = cfg.intermediate_size
+        self.intermediate_size = inter if tp is None else tp.split(inter, "intermediate_size")
         # gate and up in one matrix (checkpoints keep gate_proj and up_proj, see checkpoint_tensors).
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = _output(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -86,10 +98,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_idx, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -107,19 +119,29 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, vocab_rows: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.output_vocab_size or cfg.vocab_size, bias=False)
+        self.tp = tp
+        # Split by vocabulary over the ranks: ids [vocab_start, vocab_start + vocab_held) in the
+        # first rows of each rank's embedding and head (vocab_rows rows, the rest zero).
+        self.vocab_start, self.vocab_held, vocab_rows = 0, cfg.vocab_size, cfg.vocab_size
+        if tp is not None:
+            if cfg.output_vocab_size is not None:
+                raise TensorParallelError("tensor parallelism does not split a head over lm_head.token_ids "
+                                          "(a draft's head; drafts are replicated, not split)")
+            self.vocab_start, self.vocab_held, vocab_rows = tp.vocab_range(cfg.vocab_size)
+        self.model = Backbone(cfg, vocab_rows, tp)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
+        self.lm_head = Linear(cfg.hidden_size, cfg.output_vocab_size or vocab_rows, bias=False)
         if cfg.output_vocab_size is not None:
             # The head's rows score these ids (a tied head's rows are copied from the embedding
             # once loaded, see gather_output_rows).
@@ -162,7 +184,32 @@ class LlamaForCausalLM(nn.Module):
                     full = tensors.pop(f"model.layers.{i}.{packed_name}.{kind}", None)
                     for name, start, rows in parts if full is not None else ():
                         tensors[f"model.layers.{i}.{name}.{kind}"] = full.narrow(0, start, rows)
+        if self.vocab_held != self.model.embed_tokens.weight.shape[0]:  # a split's last rank
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in tensors:
+                    tensors[name] = tensors[name].narrow(0, 0, self.vocab_held)
         return tensors
+
+    def checkpoint_slices(self) -> dict[str, tuple[int, int, int, int]]:
+        """Split across ranks: checkpoint name -> (dim, start, length, the checkpoint's full size
+        in dim) of the part this rank holds. Names not listed are read whole."""
+        tp, c = self.tp, self.config
+        if tp is None:
+            return {}
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
+        r, n = tp.rank, tp.world_size
+        parts = {name: (0, self.vocab_start, self.vocab_held, c.vocab_size)
+                 for name in ("model.embed_tokens.weight", "lm_head.weight")}
+        for i in range(c.num_layers):
+            prefix = f"model.layers.{i}."
+            for name, dim, size in (("self_attn.q_proj", 0, q), ("self_attn.k_proj", 0, kv),
+                                    ("self_attn.v_proj", 0, kv), ("mlp.gate_proj", 0, inter),
+                                    ("mlp.up_proj", 0, inter), ("self_attn.o_proj", 1, q), ("mlp.down_proj", 1, inter)):
+                parts[prefix + name + ".weight"] = (dim, r * size, size, n * size)
+                if dim == 0:  # column-parallel: the bias splits with the rows (row-parallel: whole)
+                    parts[prefix + name + ".bias"] = (0, r * size, size, n * size)
+        return parts
 
     @property
     def device(self) -> torch.device:
@@ -176,8 +223,8 @@ class LlamaForCausalLM(nn.Module):
 
     def new_cache(self, batch_size: int, capacity: int, growable: bool = True) -> StaticKVCache:
         c = self.config
-        return StaticKVCache(c.num_layers, batch_size, capacity, c.num_kv_heads, c.head_dim, self.dtype, self.device,
-                             growable)
+        return StaticKVCache(c.num_layers, batch_size, capacity, self.num_kv_heads, c.head_dim, self.dtype,
+                             self.device, growable)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, cache: StaticKVCache,
                 kv_len: int | None = None) -> torch.Tensor:
@@ -199,12 +246,10 @@ class LlamaForCausalLM(nn.Module):
         # Each query sees keys at or before its own position: the row's valid prefix plus the
         # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
         mask = None if cpu_kernels else attention_mask(positions, kv_len, self.config.sliding_window)
-        # A fresh tensor (indexing copies): the whole-layer op updates it in place. Indexed, not
-        # through nn.Embedding's module call: 13 us against 34 on a 2-core CPU, where a draft
-        # step takes ~0.6 ms.
-        x = self.model.embed_tokens.weight[tokens].to(self.dtype)
+        x = self.embed(tokens)
         # A prefill-sized call takes the per-op path, whose products become GEMMs (see layers.linear).
-        whole_layers = cpu_kernels and self.whole_layer_kernels and T < GEMM_ROWS
+        # A split model takes it too: the all-reduces sit between its ops.
+        whole_layers = cpu_kernels and self.whole_layer_kernels and T < GEMM_ROWS and self.tp is None
         layer_weights = self.whole_layer_weights() if whole_layers else None
         if layer_weights is not None:
             c = self.config
@@ -216,6 +261,19 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.model.layers:
                 x = layer(x, step, cache)
         return self.model.norm(x, cpu_kernels)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, T, D] in the compute dtype, a fresh tensor (indexing copies; the
+        whole-layer op updates it in place). Indexed, not through nn.Embedding's module call: 13 us
+        against 34 on a 2-core CPU, where a draft step takes ~0.6 ms. Split by vocabulary, each
+        rank looks up the ids it holds, zeros for the others, and an all-reduce sums them."""
+        weight = self.model.embed_tokens.weight
+        if self.tp is None:
+            return weight[tokens].to(self.dtype)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_held)
+        x = weight[local.masked_fill(outside, 0)].to(self.dtype).masked_fill_(outside[..., None], 0.0)
+        return self.tp.all_reduce_(x)
 
     def rope_at(self, positions: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary cos, sin [B, T, head_dim] at positions [B, T], all below limit. On a CPU they
@@ -262,6 +320,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits [..., vocab_size] in float32 for hidden states [..., D] (-inf on ids outside
         output_token_ids, where the head has them)."""
         scores = self.lm_head(hidden).float()
+        if self.tp is not None:
+            return self.tp.gather_vocab(scores, self.config.vocab_size)
         if self.config.output_vocab_size is None:
             return scores
         full = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"))

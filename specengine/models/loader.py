@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from ..layers.parallel import TensorParallel
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 
@@ -77,13 +78,14 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-                weight_dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
-    """The model of `cfg` with uninitialised weights in the dtypes load_model would give them."""
+                weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """The model of `cfg` (this rank's share of it with tp) with uninitialised weights in the
+    dtypes load_model would give them."""
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     matrix_dtype = resolve_weight_dtype(weight_dtype, torch_dtype, cfg, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     model = model.to_empty(device=device).to(torch_dtype)
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -91,6 +93,10 @@ def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: str
     if cfg.tie_word_embeddings and cfg.output_vocab_size is None:
         # to_empty allocates each module's parameters apart: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
+    if tp is not None:  # rows past the vocabulary on the last rank: never looked up, logits dropped
+        with torch.no_grad():
+            model.model.embed_tokens.weight.zero_()
+            model.lm_head.weight.zero_()
     return model
 
 
@@ -100,11 +106,13 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               weight_dtype: str | torch.dtype | None = None) -> LlamaForCausalLM:
+               weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """A Hugging Face checkpoint folder, or a GGUF file (models.gguf; its weights dequantized
     and held as a bfloat16 checkpoint's would be).
     dtype: the compute dtype (None: float32 on CPU, the checkpoint's on GPU).
-    weight_dtype: the matrices' storage dtype (None: see resolve_weight_dtype)."""
+    weight_dtype: the matrices' storage dtype (None: see resolve_weight_dtype).
+    tp: this rank's share of a tensor-parallel split; from safetensors it reads only its slices
+    (a GGUF tensor is dequantized whole, one at a time, and sliced)."""
     path = Path(path)
     if is_gguf(path):
         from .gguf import gguf_config, gguf_tensors, open_gguf
@@ -113,30 +121,38 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
         raw = gguf_config(reader, path)
         cfg = ModelConfig.from_dict(raw)
         tensors = ((name, torch.from_numpy(array)) for name, array in gguf_tensors(reader, raw, path))
-        return fill_model(empty_model(cfg, device, dtype, weight_dtype), tensors, path)
+        return fill_model(empty_model(cfg, device, dtype, weight_dtype, tp), tensors, path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
     cfg = ModelConfig.from_folder(path)
-    model = empty_model(cfg, device, dtype, weight_dtype)
+    model = empty_model(cfg, device, dtype, weight_dtype, tp)
     return fill_model(model, safetensors_tensors(path), path)
 
 
 def safetensors_tensors(folder: Path):
-    """(name, tensor) for every weight of a checkpoint folder's safetensors files."""
+    """(name, slice) for every weight of a checkpoint folder's safetensors files: a slice reads
+    from the file only the part it is indexed with."""
     for file in weight_files(folder):
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if not name.endswith(_IGNORED_SUFFIXES):
-                        yield name, f.get_tensor(name)
+                        yield name, f.get_slice(name)
         except SafetensorError as e:  # a truncated or corrupt file: header or data out of bounds
             raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
+def _shape(source) -> tuple[int, ...]:
+    """The shape of a tensor or of a safetensors slice."""
+    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+
+
 def fill_model(model: LlamaForCausalLM, tensors, source: Path) -> LlamaForCausalLM:
-    """Copy (name, tensor) pairs into `model` by checkpoint name; every weight exactly once."""
+    """Copy (name, tensor or safetensors slice) pairs into `model` by checkpoint name; every
+    weight exactly once, and of a split model only this rank's part of it."""
     cfg = model.config
     params = model.checkpoint_tensors()
+    parts = model.checkpoint_slices()
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in tensors:
@@ -144,13 +160,16 @@ def fill_model(model: LlamaForCausalLM, tensors, source: Path) -> LlamaForCausal
             unexpected.append(name)
             continue
         target = params[name]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise CheckpointError(
-                f"{source}: weight {name} has shape {tuple(tensor.shape)} but the config implies "
-                f"{tuple(target.shape)}"
-            )
+        shape, index = _shape(tensor), (slice(None),)
+        expected = tuple(target.shape)
+        if name in parts:
+            dim, start, length, full = parts[name]
+            expected = expected[:dim] + (full,) + expected[dim + 1:]
+            index = (slice(None),) * dim + (slice(start, start + length),)
+        if shape != expected:
+            raise CheckpointError(f"{source}: weight {name} has shape {shape} but the config implies {expected}")
         with torch.no_grad():
-            target.copy_(tensor)
+            target.copy_(tensor[index])
         loaded.add(name)
     if unexpected and not (cfg.tie_word_embeddings and unexpected == ["lm_head.weight"]):
         raise CheckpointError(

@@ -1,0 +1,134 @@
+"""Tensor parallelism on CPU: two gloo ranks under torchrun (tests/tp_worker.py) against one process."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specengine import Engine, SamplingParams
+from specengine.layers.parallel import TensorParallel, TensorParallelError
+from specengine.models.config import ModelConfig
+from specengine.models.llama import LlamaForCausalLM
+from specengine.models.loader import load_model
+
+from tp_cases import GENERATIONS, logit_trace
+
+# Every architecture whose KV heads split in two (llama-linear-rope has one: the error case).
+ARCHS = ["llama3-rope-gqa", "llama-tied-bias", "mistral-sliding", "qwen2-qkv-bias", "qwen3-qk-norm-tied"]
+SEQUENCES = [[int(t) for t in torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n))]
+             for n in (14, 6, 10)]
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    """Run `args` (a script and its arguments, or -m module ...) on WORLD ranks."""
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environment.update(OMP_NUM_THREADS="1", **env)
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
+               f"--master-port={free_port()}", *args]
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    folders = {case: str(checkpoint(case)) for case in ARCHS}
+    folders["llama3-rope-gqa-bf16"] = str(checkpoint("llama3-rope-gqa", torch.bfloat16))  # bfloat16 matrices
+    return folders
+
+
+@pytest.fixture(scope="module")
+def ranks(models, text_pair, tmp_path_factory):
+    """Each rank's (report, logits) from one torchrun of tp_worker.py, every round checked
+    across the ranks (SPECENGINE_CHECK_RANKS)."""
+    out = tmp_path_factory.mktemp("tp")
+    spec = out / "spec.json"
+    spec.write_text(json.dumps(dict(models=models, sequences=SEQUENCES, prompts=PROMPTS,
+                                    pair=[str(p) for p in text_pair])))
+    done = torchrun([str(Path(__file__).with_name("tp_worker.py")), str(spec), str(out)], SPECENGINE_CHECK_RANKS="1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [(json.loads((out / f"rank{r}.json").read_text()), load_file(out / f"rank{r}.safetensors"))
+            for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", ARCHS + ["llama3-rope-gqa-bf16"])
+def test_split_logits_equal_one_process_and_every_rank_alike(case, models, ranks):
+    single = logit_trace(load_model(models[case]), SEQUENCES)
+    for i, want in enumerate(single):
+        got = [logits[f"{case}/{i}"] for _, logits in ranks]
+        torch.testing.assert_close(got[0], want, atol=1e-5, rtol=0)
+        assert all(torch.equal(g, got[0]) for g in got[1:]), "the ranks' logits differ"
+
+
+def test_generations_equal_one_process(text_pair, ranks):
+    reports = [report["generations"] for report, _ in ranks]
+    assert all(r == reports[0] for r in reports[1:]), "the ranks emitted different tokens"
+    for name, (gamma, params) in GENERATIONS.items():
+        engine = Engine.from_pretrained(*text_pair, gamma=gamma)
+        single = [r.token_ids for r in engine.generate(PROMPTS, [SamplingParams(**p) for p in params])]
+        if gamma == "auto":  # each process chose its own gammas: only greedy rows must agree
+            single, got = single[:1], reports[0][name][:1]
+        else:
+            got = reports[0][name]
+        assert got == single, name
+
+
+@pytest.mark.parametrize("case", ARCHS)
+def test_each_rank_holds_its_share_of_the_parameters(case, models, ranks):
+    """The ranks' bytes add up to the model's, plus the replicated parts once more per extra
+    rank (norms, row-parallel biases) and the vocabulary's padding rows."""
+    model = load_model(models[case])
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    replicated = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                     if "norm" in name or name.endswith(("o_proj.bias", "down_proj.bias")))
+    c = model.config
+    heads = 1 if c.tie_word_embeddings else 2  # a tied head is the embedding
+    padding = (-c.vocab_size % WORLD) * c.hidden_size * model.lm_head.weight.element_size() * heads
+    held = [report["parameter_bytes"][case] for report, _ in ranks]
+    assert sum(held) == total + (WORLD - 1) * replicated + padding
+    assert max(held) <= total / WORLD + replicated + padding
+
+
+def test_heads_that_do_not_split_are_named():
+    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=64,
+                                     intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=1))
+    with pytest.raises(TensorParallelError, match=r"num_key_value_heads \(1\) is not divisible by tensor_parallel=2"):
+        LlamaForCausalLM(cfg, TensorParallel(0, 2))
+    with pytest.raises(TensorParallelError, match=r"intermediate_size \(128\) is not divisible by tensor_parallel=3"):
+        LlamaForCausalLM(ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=97, hidden_size=64,
+                                                    intermediate_size=128, num_hidden_layers=1,
+                                                    num_attention_heads=6, num_key_value_heads=3)),
+                         TensorParallel(1, 3))
+
+
+def test_tensor_parallel_outside_torchrun_says_how_to_run(text_pair, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(TensorParallelError, match="torchrun --nproc-per-node 2"):
+        Engine.from_pretrained(*text_pair, tensor_parallel=2)
+    with pytest.raises(ValueError, match="tensor_parallel must be a positive integer"):
+        Engine.from_pretrained(*text_pair, tensor_parallel=0)
+
+
+def test_cli_generate_on_two_ranks_prints_once_what_one_process_prints(text_pair):
+    target, draft = map(str, text_pair)
+    args = ["generate", "--target", target, "--draft", draft, "--prompt", "def f(x):", "--max-new-tokens", "12",
+            "--temperature", "0", "--gamma", "3"]
+    single = subprocess.run([sys.executable, "-m", "specengine", *args], capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    split = torchrun(["-m", "specengine", *args, "--tensor-parallel", str(WORLD)], timeout=300)
+    assert split.returncode == 0, split.stderr[-4000:]
+    assert split.stdout == single.stdout and single.stdout.strip()
+    assert split.stderr.count("[specengine]") == 1  # rank 0's statistics line only
