@@ -2,21 +2,24 @@
 # The GPU run, in one script: on a CUDA machine without internet (torch, triton, transformers and
 # pybind11 preinstalled) it installs specengine without dependencies, then, each step under its
 # own timeout and each writing its results as it goes (a step cut short keeps what it measured):
-#   1. the CUDA-graph and engine tests (graph replay token-identical to eager decoding);
-#   2. bench_graphs on the memory-bound target (the shipped target embedded in a ~1B Llama, same
+#   1. the kernel tests, compiled: the step kernels (norm, rotary, attention, SiLU) and the verify
+#      kernel (exact, statistical, invariants, no recompilation);
+#   2. the CUDA-graph and engine tests (graph replay token-identical to eager decoding);
+#   3. bench_verify: the tiled Triton verify kernel, the previous one-program-per-row kernel and the
+#      torch reference, eager and replayed from a CUDA graph, float32 and bfloat16 logits;
+#   4. bench_step: launches per decoder layer and the replayed step against its weight-read floor,
+#      Triton kernels, torch path and torch.compile, for the shipped draft, target and widened target;
+#   5. bench_graphs on the memory-bound target (the shipped target embedded in a ~1B Llama, same
 #      logits): eager PyTorch loop vs specengine eager vs CUDA graphs at batch 1, greedy, the
 #      replayed step costs fed into Theorem 3.8, the host's share of a round;
-#   3. bench_graphs on the shipped pair at batch 1 and 8, greedy and T=1 (the same rows, and the
+#   6. bench_graphs on the shipped pair at batch 1 and 8, greedy and T=1 (the same rows, and the
 #      draft step eager vs replayed);
-#   4. bench_costs: the pair's eager step costs at batch 1 and 8, alpha, time per round by phase;
-#   5. bench_verify: the tiled Triton verify kernel, the previous one-program-per-row kernel and the
-#      torch reference, eager and replayed from a CUDA graph, float32 and bfloat16 logits;
-#   6. the Triton kernel tests, compiled (exact, statistical, invariants, no recompilation);
-#   7. with two or more GPUs only: the shipped target split over two (NCCL, every round's tokens
+#   7. bench_costs: the pair's eager step costs at batch 1 and 8, alpha, time per round by phase;
+#   8. with two or more GPUs only: the shipped target split over two (NCCL, every round's tokens
 #      compared across the ranks), greedy output against one GPU's. One GPU: skipped, and said so.
 # Logs, CSVs and JSON are written to a work folder and packed, after every step, into
 # $OUT/gpu-results.tar.gz (one file: the device tool returns at most 8). Budget: the steps'
-# timeouts add up to 435 s (100 s more with two GPUs), the install's to 75 s.
+# timeouts add up to 440 s (100 s more with two GPUs), the install's to 40 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-results}"
@@ -39,7 +42,7 @@ cat "$OUT/env.txt"
 
 # Install: pip's editable install; if pip cannot (no setuptools backend there), build the C++
 # ops in place and import from the tree.
-if ! timeout 75 "$PY" -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; then
+if ! timeout 40 "$PY" -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; then
   echo "pip install failed, building in place:"; tail -5 "$OUT/install.log"
   timeout 60 "$PY" setup.py build_ext --inplace >> "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; pack; exit 1; }
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -59,18 +62,21 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $OUT/NAME.l
   pack
 }
 
-step tests-graphs 45 "$PY" -m pytest -q -rs tests/test_graphs.py tests/test_device_rounds.py tests/test_engine_greedy.py \
+# The kernel tests first: on CUDA the model runs the Triton step kernels (falling back to the torch
+# path, and saying so, if they fail to compile), so every later number depends on them.
+step tests-kernels 80 "$PY" -m pytest -q -rs tests/test_step_kernels.py tests/test_verify_kernels.py \
+  tests/test_sample_warped.py tests/test_csrc.py tests/test_engine_sampling.py -k "not test_speculative_sampling_matches"
+step tests-graphs 40 "$PY" -m pytest -q -rs tests/test_graphs.py tests/test_device_rounds.py tests/test_engine_greedy.py \
   tests/test_widen.py
+step verify-bench 65 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
+step step-bench 70 "$PY" bench/bench_step.py --device cuda --out "$OUT/step-gpu.json"
 # Eager rounds are the slow rows (an eager step of the 1.0B target took 14-20 ms on the H200's host
 # in 2026-11-29's runs): one eager gamma on the widened target, sizes chosen to fit the timeouts.
-step graphs-widened 90 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 --temperatures 0 \
+step graphs-widened 70 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 --temperatures 0 \
   --gammas 2 3 4 --eager-gammas 3 --prompts 4 --new-tokens 32 --repeats 3 --out "$OUT/graphs-widened.json"
-step graphs-shipped 110 "$PY" bench/bench_graphs.py --device cuda --target shipped --batches 1 8 \
+step graphs-shipped 90 "$PY" bench/bench_graphs.py --device cuda --target shipped --batches 1 8 \
   --gammas 1 2 3 4 --eager-gammas 2 --prompts 8 --new-tokens 32 --repeats 3 --out "$OUT/graphs-shipped.json"
-step costs 30 "$PY" bench/bench_costs.py --device cuda --big-layers 0 --prompts 8 --out "$OUT/costs-gpu.json"
-step verify-bench 75 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
-step tests-kernels 85 "$PY" -m pytest -q -rs tests/test_verify_kernels.py tests/test_sample_warped.py tests/test_csrc.py \
-  tests/test_engine_sampling.py -k "not test_speculative_sampling_matches"
+step costs 25 "$PY" bench/bench_costs.py --device cuda --big-layers 0 --prompts 8 --out "$OUT/costs-gpu.json"
 
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$GPUS" -gt 1 ]; then

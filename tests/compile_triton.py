@@ -11,8 +11,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specengine.kernels import philox, verify
+from specengine.kernels import activation, attention, norm, philox, rotary, verify
 
+STEP_FLOAT32 = {"m_ptr", "l_ptr", "acc_ptr"}  # the attention splits' partials, float32 in any dtype
 INT_POINTERS = {"top_k_ptr", "tile_arg_ptr", "state_ptr", "top_k_state_ptr", "top_p_state_ptr", "tokens_ptr",
                 "num_drafts_ptr", "seeds_ptr", "positions_ptr", "decided_ptr", "emitted_ptr", "count_ptr",
                 "target_len_ptr", "draft_len_ptr", "out_ptr_i64"}
@@ -29,8 +30,13 @@ def signature(fn, constexprs: dict, logits: str) -> dict:
             sig[name] = "*i32"
         elif name in INT_POINTERS:
             sig[name] = "*i64"
-        elif name.endswith("_ptr"):
+        elif name in STEP_FLOAT32:
             sig[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = logits if fn.__module__.split(".")[-1] in ("norm", "activation", "rotary", "attention") \
+                else "*fp32"
+        elif name in ("eps", "scale"):
+            sig[name] = "fp32"
         else:
             sig[name] = "i32"
     return sig
@@ -49,6 +55,14 @@ def variants():
         for fn in kernels:
             yield fn, logits, {k: v for k, v in values.items() if k in fn.arg_names}
     yield philox._uniforms_kernel, "*fp32", dict(stream=0, BLOCK=16)
+    # The decode step's kernels, in bfloat16 (the GPU's compute dtype) and float32.
+    for dtype, dot_fp32 in (("*bf16", False), ("*fp32", True)):
+        yield norm._add_rms_norm_kernel, dtype, dict(HAS_DELTA=True, BLOCK=1024)
+        yield activation._silu_mul_kernel, dtype, dict(BLOCK=activation.BLOCK)
+        yield rotary._rope_write_kernel, dtype, dict(HAS_NORM=dtype == "*bf16", Q_HEADS=32, KV_HEADS=8, BLOCK_D=64)
+        yield attention._split_kernel, dtype, dict(GROUP=4, Q_ROWS=16, D=64, BLOCK_D=64, BLOCK_N=attention.BLOCK_N,
+                                                   DOT_FP32=dot_fp32)
+        yield attention._merge_kernel, dtype, dict(D=128, BLOCK_D=128, SPLITS=16)
 
 
 def main() -> int:

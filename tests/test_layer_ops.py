@@ -171,10 +171,11 @@ def test_decoder_layer_matches_the_torch_ops(case, B, T, starts, portable, check
     attn = layer.self_attn
     want_cache = model.new_cache(B, cache.capacity)
     want_cache.k.copy_(cache.k), want_cache.v.copy_(cache.v)
-    step = StepInputs(positions, cos, sin, kv_len, cpu_kernels=False,
+    step = StepInputs(positions, cos, sin, kv_len, cpu_kernels=False, triton=False,
                       mask=attention_mask(positions, kv_len, attn.sliding_window))
     with torch.no_grad():
-        want = layer(x.clone(), step, want_cache)
+        after_attention, mlp_out = layer(x.clone(), None, step, want_cache)
+        want = after_attention + mlp_out
         cache_k, cache_v = cache.layer(1)
         with portable_cpu_kernels(portable):
             got = decoder_layer(x.clone(), layer.weights(), attn.num_heads, attn.num_kv_heads, attn.head_dim,

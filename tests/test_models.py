@@ -14,8 +14,9 @@ ATOL = 2e-5
 # Our float32 CPU forward runs specengine._C's fused layer ops: each whole decoder layer in one
 # call where the matrices are stored in bfloat16 (a bfloat16 checkpoint), else one call per op.
 # The torch ops are the path of every other device and dtype, and the reference of those ops.
+# The Triton step kernels (the CUDA path) run here in Triton's interpreter.
 # All must match transformers (which computes the bfloat16 checkpoints upcast to float32).
-LAYER_OPS = pytest.mark.parametrize("layer_ops", ["whole-layer", "cpp-ops", "torch-ops"])
+LAYER_OPS = pytest.mark.parametrize("layer_ops", ["whole-layer", "cpp-ops", "torch-ops", "triton"])
 
 
 def load(case: str, layer_ops: str, checkpoint, monkeypatch):
@@ -24,6 +25,14 @@ def load(case: str, layer_ops: str, checkpoint, monkeypatch):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ours = load_model(folder)
     ours.cpu_kernels = layer_ops != "torch-ops"
+    ours.triton_kernels = layer_ops == "triton"
+    if layer_ops == "triton":
+        if torch.cuda.is_available():  # compiled Triton takes CUDA tensors; test_step_kernels runs them there
+            pytest.skip("the Triton path runs here in the interpreter, on CPU tensors")
+        def other_attention(*args):
+            raise AssertionError("the Triton kernels were not taken")
+        monkeypatch.setattr(llama, "cached_attention_reference", other_attention)
+        monkeypatch.setattr(llama, "cached_attention_cpp", other_attention)
     if layer_ops == "whole-layer":
         def per_op_path(*args):
             raise AssertionError("the whole-layer op was not taken")

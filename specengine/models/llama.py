@@ -8,6 +8,7 @@ the model holds one rank's share (layers.parallel; checkpoint_slices says what i
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +21,11 @@ from ..layers.norm import RMSNorm
 from ..layers.parallel import TensorParallel, TensorParallelError
 from ..layers.rotary import rope_cos_sin, rope_inv_freq
 from ..layers.tracked import TracksParameterAssignments
-from ..ops.attention import attention_mask, cached_attention_cpp, cached_attention_reference
+from ..ops.attention import attention_mask, cached_attention_cpp, cached_attention_reference, cached_attention_triton
 from ..ops.decoder_layer import DecoderLayerWeights, decoder_layer_cpp
 from .config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,7 +37,8 @@ class StepInputs:
     sin: torch.Tensor         # [B, T, head_dim]
     kv_len: int               # cache keys a query may see (max position + 1, clipped to capacity)
     cpu_kernels: bool         # take specengine._C's fused float32 CPU ops
-    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the torch attention (None with cpu_kernels)
+    triton: bool              # take specengine.kernels' step kernels (norms, rotary, attention, SiLU)
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the torch attention (None with either kernels)
 
 
 def _output(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> Linear:
@@ -71,9 +75,14 @@ class Attention(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        cache_k, cache_v = cache.layer(self.layer_idx)
+        if step.triton:  # q/k norms inside the rotary launch
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+            out = cached_attention_triton(q, k, v, step.cos, step.sin, step.positions, cache_k, cache_v, step.kv_len,
+                                          self.sliding_window, *norms)
+            return self.o_proj(out)
         if self.q_norm is not None:
             q, k = self.q_norm(q, step.cpu_kernels), self.k_norm(k, step.cpu_kernels)
-        cache_k, cache_v = cache.layer(self.layer_idx)
         if step.cpu_kernels:
             out = cached_attention_cpp(q, k, v, step.cos, step.sin, step.positions, cache_k, cache_v, step.kv_len,
                                        self.sliding_window)
@@ -92,7 +101,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = _output(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
+        if triton:
+            from ..kernels.activation import silu_mul_triton
+
+            return self.down_proj(silu_mul_triton(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -113,9 +126,15 @@ class DecoderLayer(nn.Module):
             attn.o_proj.weight, attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
             mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
 
-    def forward(self, x: torch.Tensor, step: StepInputs, cache: StaticKVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x, step.cpu_kernels), step, cache)
-        return x + self.mlp(self.post_attention_layernorm(x, step.cpu_kernels))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, step: StepInputs,
+                cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream after this layer's attention, this layer's MLP output). The MLP
+        output is added by the next norm, fused with it where the step kernels run; delta is the
+        previous layer's MLP output (None for the first layer)."""
+        x, h = self.input_layernorm.add_and_norm(x, delta, step.cpu_kernels, step.triton)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, step, cache), step.cpu_kernels,
+                                                          step.triton)
+        return x, self.mlp(h, step.triton)
 
 
 class Backbone(nn.Module):
@@ -160,6 +179,14 @@ class LlamaForCausalLM(nn.Module):
         # each decoder layer is one C++ call (ops.decoder_layer) instead of about 20 Python and
         # torch calls. Tests switch this off to compare with the per-op path.
         self.whole_layer_kernels = True
+        # The Triton step kernels (specengine.kernels: RMSNorm with the residual add, rotary with
+        # the cache write, split-KV attention, SiLU-and-multiply): None takes them on CUDA, False
+        # never (the torch path), True also on a CPU (Triton's interpreter: tests).
+        self.triton_kernels: bool | None = None
+        # Why the kernels were switched off, if their first forward failed (a Triton that cannot
+        # compile them): the model then runs the torch path, as CUDA graphs fall back to eager.
+        self.triton_fallback_reason: str | None = None
+        self._triton_proven = False
         self._layer_weights: list[DecoderLayerWeights] | None = None  # see whole_layer_weights
         self._layer_weights_assignments = -1
 
@@ -234,18 +261,34 @@ class LlamaForCausalLM(nn.Module):
         (normally its cache length). kv_len, if given, must be max(start_pos) + T: the host
         usually knows it, and passing it avoids a device sync.
         """
-        B, T = tokens.shape
-        positions = start_pos[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
+        positions = start_pos[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         kv_len = min(kv_len, cache.capacity)
+        # Neither kind of kernel has autograd: a forward with gradients takes the torch ops.
+        triton = (tokens.device.type == "cuda" if self.triton_kernels is None else self.triton_kernels) and \
+            not torch.is_grad_enabled()
+        if triton and not self._triton_proven:
+            try:  # the first forward compiles the kernels; the same forward on the torch path redoes its writes
+                hidden = self._forward(tokens, positions, cache, kv_len, triton=True)
+            except Exception as exc:  # noqa: BLE001 (any failure means: the torch path, and say why)
+                self.triton_kernels, self.triton_fallback_reason = False, f"{type(exc).__name__}: {exc}"
+                log.warning("the Triton step kernels failed (%s); running the torch path", self.triton_fallback_reason)
+                return self._forward(tokens, positions, cache, kv_len, triton=False)
+            self._triton_proven = True
+            return hidden
+        return self._forward(tokens, positions, cache, kv_len, triton)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, kv_len: int,
+                 triton: bool) -> torch.Tensor:
+        T = tokens.shape[1]
         # Real tokens sit below the capacity; padding starts at most at it (the spill slot).
         cos, sin = self.rope_at(positions, cache.capacity + T)
         cpu_kernels = (self.cpu_kernels and tokens.device.type == "cpu" and self.dtype == torch.float32
-                       and not torch.is_grad_enabled())
+                       and not torch.is_grad_enabled() and not triton)
         # Each query sees keys at or before its own position: the row's valid prefix plus the
         # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
-        mask = None if cpu_kernels else attention_mask(positions, kv_len, self.config.sliding_window)
+        mask = None if cpu_kernels or triton else attention_mask(positions, kv_len, self.config.sliding_window)
         x = self.embed(tokens)
         # A prefill-sized call takes the per-op path, whose products become GEMMs (see layers.linear).
         # A split model takes it too: the all-reduces sit between its ops.
@@ -256,11 +299,12 @@ class LlamaForCausalLM(nn.Module):
             for i, weights in enumerate(layer_weights):
                 decoder_layer_cpp(x, weights, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, cos, sin,
                                   positions, *cache.layer(i), kv_len, c.sliding_window)
-        else:
-            step = StepInputs(positions, cos, sin, kv_len, cpu_kernels, mask)
-            for layer in self.model.layers:
-                x = layer(x, step, cache)
-        return self.model.norm(x, cpu_kernels)
+            return self.model.norm(x, cpu_kernels)
+        step = StepInputs(positions, cos, sin, kv_len, cpu_kernels, triton, mask)
+        delta = None
+        for layer in self.model.layers:
+            x, delta = layer(x, delta, step, cache)
+        return self.model.norm.add_and_norm(x, delta, cpu_kernels, triton)[1]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, T, D] in the compute dtype, a fresh tensor (indexing copies; the

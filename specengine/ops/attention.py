@@ -8,7 +8,12 @@ past the row's length and no query sees them until they are overwritten.
 
   "cpp"        specengine._C.cached_attention: float32 on a CPU, one call instead of ~10 torch
                ops that cost 0.5 ms per layer of the shipped models (dispatch, not arithmetic)
+  "triton"     specengine.kernels: rotary and the cache write in one launch, then split-KV
+               attention and its merge (three launches; the model's path on CUDA)
   "reference"  torch ops and scaled_dot_product_attention (the oracle; every other device/dtype)
+
+Qwen3's per-head q/k norms go before the rotary embedding; the Triton path applies them inside
+its rotary launch (q_norm, k_norm), the others leave them to the caller.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-IMPLEMENTATIONS = ("cpp", "reference")
+IMPLEMENTATIONS = ("cpp", "triton", "reference")
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -80,6 +85,13 @@ def cached_attention(
     check(1 <= kv_len <= capacity, f"kv_len must be in [1, capacity={capacity}], got {kv_len}")
     check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
     check(B == 0 or int(positions.min()) >= 0, "positions must be >= 0")
+    if impl == "triton":
+        check(cache_k.is_contiguous() and cache_v.is_contiguous(), "cache_k and cache_v must be contiguous")
+        check(all(t.dtype == cache_k.dtype for t in (q, k, v, cos, sin, cache_v)),
+              "impl 'triton' needs q, k, v, cos, sin and the cache in one dtype")
+        q, k, v = (t if token_stride(t) is not None else t.contiguous() for t in (q, k, v))
+        return cached_attention_triton(q, k, v, cos.contiguous(), sin.contiguous(), positions.contiguous(), cache_k,
+                                       cache_v, kv_len, sliding_window)
     if impl == "reference":
         return cached_attention_reference(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len,
                                           attention_mask(positions, kv_len, sliding_window))
@@ -123,6 +135,19 @@ def token_stride(x: torch.Tensor) -> int | None:
     if T == 1:
         return x.stride(0)
     return x.stride(1) if B == 1 or x.stride(0) == T * x.stride(1) else None
+
+
+def cached_attention_triton(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len: int, sliding_window: int | None,
+                            q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                            eps: float = 1e-6) -> torch.Tensor:
+    """The Triton kernels without argument checks, for model layers: tensors of one dtype on one
+    device, q, k and v with a token_stride, the rest contiguous; q_norm, k_norm [D] or None."""
+    from ..kernels.attention import decode_attention_triton
+    from ..kernels.rotary import rope_write_triton
+
+    q_rotated = rope_write_triton(q, k, v, (token_stride(q), token_stride(k), token_stride(v)), cos, sin, positions,
+                                  cache_k, cache_v, q_norm, k_norm, eps)
+    return decode_attention_triton(q_rotated, cache_k, cache_v, positions, kv_len, sliding_window)
 
 
 def cached_attention_cpp(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len: int,

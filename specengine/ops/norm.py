@@ -3,6 +3,7 @@
   "cpp"        specengine._C.rms_norm, float32 rows on a CPU: one call instead of a composite
                op measured at 40-70 us per norm on a 2-core CPU (17 norms per step of the
                shipped target)
+  "triton"     specengine.kernels.norm, fused with the residual add (the model's path on CUDA)
   "reference"  weight * F.rms_norm(x) (the oracle, and every other device and dtype)
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IMPLEMENTATIONS = ("cpp", "reference")
+IMPLEMENTATIONS = ("cpp", "triton", "reference")
 
 
 def rms_norm(
@@ -27,6 +28,10 @@ def rms_norm(
                          f"and weight {tuple(weight.shape)}")
     if impl == "reference":
         return rms_norm_reference(x, weight, eps)
+    if impl == "triton":
+        from ..kernels.norm import add_rms_norm_triton
+
+        return add_rms_norm_triton(x.contiguous(), weight.contiguous(), eps, None)
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"rms_norm: impl 'cpp' needs float32 CPU tensors, got {name} {t.dtype} on {t.device}")

@@ -1,0 +1,185 @@
+"""The decode step: kernels launched per decoder layer, and the replayed step against its weight-read floor.
+
+    python bench/bench_step.py [--device cuda] [--batches 1 8] [--widened-layers 22] [--out step.json]
+
+Models: the shipped draft, the shipped target, and the shipped target widened to about 1B
+parameters (models.widen), in bfloat16 on CUDA (float32 on a CPU). Paths:
+  "triton"         the Triton step kernels (CUDA only: on a CPU they would run in the interpreter)
+  "torch"          the torch ops the kernels replace (on a CPU, the model's own CPU path instead)
+  "torch.compile"  the torch path's step under torch.compile(mode="reduce-overhead"), what a
+                   gpt-fast user would pick (CUDA only; batch 1; after every other row, since
+                   compiling takes the longest)
+Per model, path and batch size:
+  - launches per decoder layer: the CUDA kernels of one eager step (torch profiler), the step of the
+    model cut to one layer subtracted, over the other layers; on a CPU, the torch ops the step
+    dispatches (a proxy: there every op is a call, not a launch);
+  - the step's median milliseconds at 64 cached tokens, replayed from a CUDA graph (engine.graphs;
+    compiled on its own for torch.compile; eager on a CPU);
+  - the bytes of its weights, this device's copy bandwidth, the floor (bytes / bandwidth) and the
+    step's ratio to it.
+Results are written after every model, so a run cut short keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specengine.benchmark import machine_name
+from specengine.engine.graphs import StepGraphs
+from specengine.models.loader import load_model
+from specengine.shipped import shipped_pair
+
+from bench_costs import widened_target
+from common import sync, write_json
+
+CACHED = 64
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_inputs(model, batch: int):
+    cache = model.new_cache(batch, 256)
+    cache.lengths.fill_(CACHED)
+    tokens = torch.zeros(batch, 1, dtype=torch.int64, device=model.device)
+    return tokens, cache
+
+
+def launches(model, batch: int) -> int:
+    """CUDA kernels (a CPU: torch ops) of one eager step."""
+    tokens, cache = step_inputs(model, batch)
+    run = lambda: model.logits(model(tokens, cache.lengths.clone(), cache, kv_len=CACHED + 1))  # noqa: E731
+    run()  # compile Triton kernels, warm caches
+    if model.device.type != "cuda":
+        with CountOps() as counter:
+            run()
+        return counter.count
+    sync(model.device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        sync(model.device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def launches_per_layer(model, batch: int) -> float:
+    layers = model.model.layers
+    full = launches(model, batch)
+    model.model.layers = layers[:1]
+    try:
+        one = launches(model, batch)
+    finally:
+        model.model.layers = layers
+    return (full - one) / (len(layers) - 1)
+
+
+def step_ms(model, batch: int, compiled: bool, reps: int = 50) -> float:
+    """Median ms of a one-token step at CACHED positions: replayed (StepGraphs), or compiled."""
+    if compiled:
+        tokens, cache = step_inputs(model, batch)
+        start = cache.lengths.clone()
+        fn = torch.compile(lambda t, s: model.logits(model(t, s, cache, kv_len=cache.capacity)), mode="reduce-overhead",
+                           fullgraph=False)
+        call = lambda: fn(tokens, start)  # noqa: E731
+    else:
+        steps = StepGraphs(model, batch, 256)
+        steps.new_batch(batch)
+        tokens = torch.zeros(batch, 1, dtype=torch.int64, device=model.device)
+        start = torch.full((batch,), CACHED, dtype=torch.int64, device=model.device)
+        call = lambda: steps(tokens, start)  # noqa: E731
+    for _ in range(5):
+        call()
+    sync(model.device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        sync(model.device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def copy_bandwidth(device) -> float:
+    x = torch.empty(64 * 2**20, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync(device)
+    return 2 * x.numel() * x.element_size() * 10 / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()  # as the engine runs: the kernels have no autograd, a step with gradients skips them
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--widened-layers", type=int, default=22, help="0 leaves the widened target out")
+    parser.add_argument("--out", help="JSON path (default bench/results/step-<device>-<date>.json)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    target_dir, draft_dir = shipped_pair()
+    bandwidth = copy_bandwidth(device)
+    result = dict(machine=machine_name(device), date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  dtype=str(dtype).removeprefix("torch."), copy_bandwidth_gb_s=bandwidth / 1e9, models={})
+    print(f"# {result['machine']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; {result['dtype']}")
+    models = {"shipped draft": lambda: load_model(draft_dir, device, dtype),
+              "shipped target": lambda: load_model(target_dir, device, dtype)}
+    if args.widened_layers:
+        models["widened target"] = lambda: widened_target(load_model(target_dir, device, dtype), args.widened_layers)
+    out_name = f"step-{device.type}-{result['date']}.json"
+    loaded = {}
+    passes = [(["triton", "torch"] if on_cuda else ["torch"], args.batches)]
+    if on_cuda:
+        passes.append((["torch.compile"], args.batches[:1]))
+    for paths, batches in passes:
+        for name, make in models.items():
+            model = loaded[name] = loaded.get(name) or make()
+            measure(model, name, paths, batches, bandwidth, result)
+            write_json(result, args.out, out_name)
+
+
+def measure(model, name: str, paths: list[str], batches: list[int], bandwidth: float, result: dict):
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor_ms = 1e3 * weight_bytes / bandwidth
+    rows = result["models"].setdefault(name, dict(layers=model.config.num_layers, weight_bytes=weight_bytes,
+                                                  floor_ms=floor_ms, paths={}))
+    for path in paths:
+        model.triton_kernels = path == "triton"
+        entry = rows["paths"][path] = {}
+        for batch in batches:
+            try:
+                per_layer = None if path == "torch.compile" else launches_per_layer(model, batch)
+                ms = step_ms(model, batch, compiled=path == "torch.compile")
+            except Exception as e:  # noqa: BLE001 (a path that fails is reported, the others still run)
+                entry[str(batch)] = dict(error=f"{type(e).__name__}: {e}"[:500])
+                print(f"{name:15s} {path:13s} batch {batch}: {entry[str(batch)]['error']}", flush=True)
+                continue
+            entry[str(batch)] = dict(launches_per_layer=per_layer, step_ms=ms, ratio_to_floor=ms / floor_ms)
+            shown = "" if per_layer is None else f"{per_layer:5.1f} launches/layer, "
+            print(f"{name:15s} {path:13s} batch {batch}: {shown}{ms:8.3f} ms/step "
+                  f"({ms / floor_ms:.1f}x the {floor_ms:.3f} ms floor)", flush=True)
+        if path == "triton" and model.triton_fallback_reason:  # its rows then measured the torch path
+            rows["triton_fallback_reason"] = model.triton_fallback_reason
+            print(f"{name}: the Triton kernels fell back to the torch path: {model.triton_fallback_reason}")
+
+
+if __name__ == "__main__":
+    main()
