@@ -56,6 +56,10 @@ class GraphedCalls:
     is logged and kept in fallback_reason), the functions run eagerly on the same buffers.
     """
 
+    # Runs in progress, in any instance: what the host dispatches meanwhile is what a replay
+    # launches on a GPU (engine.host_ops leaves it out of the host's count).
+    running = 0
+
     def __init__(self, use_graphs: bool):
         self.use_graphs = use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -82,11 +86,15 @@ class GraphedCalls:
                 log.warning("CUDA graph capture failed (%s); running eagerly: %s", key, self.fallback_reason)
                 for other in self.entries.values():
                     other.graph = other.outputs = None
-        if entry.graph is None:
-            return fn(**entry.buffers)
-        entry.graph.replay()
-        self.replays += 1
-        return tuple(t.clone() for t in entry.outputs)
+        GraphedCalls.running += 1
+        try:
+            if entry.graph is None:
+                return fn(**entry.buffers)
+            entry.graph.replay()
+            self.replays += 1
+            return tuple(t.clone() for t in entry.outputs)
+        finally:
+            GraphedCalls.running -= 1
 
     def _capture(self, fn, buffers):
         # Two warm-up runs on a side stream keep lazy initialisation, Triton compilation and

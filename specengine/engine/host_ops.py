@@ -1,0 +1,73 @@
+"""What the host does per round, outside graph replays: the torch ops it dispatches and its reads
+from the device. On a GPU each dispatched op is a launch (or at least a dispatch) the round pays
+on top of its replays, and each read is a synchronisation; on a CPU the fixed-shape path runs the
+same host code with the graphs' bodies eager, so the counts are the same. bench/bench_host.py
+reports them; a test holds them under a bound.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .graphs import GraphedCalls
+
+# Ops whose result the host reads: int(t), float(t), bool(t), t.item() (t.tolist() is counted
+# apart: on a CPU tensor it reads without dispatching).
+_READ_OPS = {torch.ops.aten._local_scalar_dense.default}
+
+
+class HostOps(TorchDispatchMode):
+    """Counts, while `counting`, the ops dispatched outside GraphedCalls.run and the reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.counting = False
+        self.ops = 0
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting and GraphedCalls.running == 0:
+            self.ops += 1
+            self.reads += func in _READ_OPS
+        return func(*args, **(kwargs or {}))
+
+    @contextmanager
+    def count(self):
+        """Count inside this block (and count each tensor.tolist() there as a read)."""
+        tolist = torch.Tensor.tolist
+        mode = self
+
+        def counted_tolist(t):
+            if mode.counting and GraphedCalls.running == 0:
+                mode.reads += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted_tolist
+        self.counting = True
+        try:
+            yield self
+        finally:
+            self.counting = False
+            torch.Tensor.tolist = tolist
+
+
+def per_round(engine, prompts, params) -> dict[str, float]:
+    """Host ops and reads per round of engine.generate(prompts, params), its prefill left out
+    (only the rounds' own work, Engine._decode_round, is counted)."""
+    counter = HostOps()
+    decode_round = engine._decode_round
+
+    def counted(joined):
+        with counter.count():
+            return decode_round(joined)
+
+    engine._decode_round = counted
+    try:
+        with counter:
+            engine.generate(prompts, params)
+    finally:
+        del engine._decode_round
+    rounds = engine.last_run_rounds
+    return dict(rounds=rounds, ops_per_round=counter.ops / rounds, reads_per_round=counter.reads / rounds)

@@ -1,0 +1,49 @@
+"""The host's part of a round (engine.host_ops), held under bounds: a change that adds torch ops or
+device reads to every round fails here (bench/bench_host.py reports the counts)."""
+import pytest
+import torch
+
+from specengine import Engine, SamplingParams
+from specengine.drafters.model import ModelDrafter
+from specengine.engine.host_ops import HostOps, per_round
+
+from engine_util import tiny_model
+
+V = 50
+
+# (gamma, check_every) -> (ops, reads) per round at most. Measured on 2026-12-01: 23.1 and 3,
+# 51.8 and 3, 68.6-73.2 and 1.2-1.7. A block of rounds reads 3 times, at its end. Blocks shrink as
+# rows near their ends, and the last rounds are host rounds.
+BOUNDS = {(0, 1): (26, 3), (3, 1): (56, 3), (3, 4): (80, 2)}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model(V, seed=0, hidden_size=32), tiny_model(V, seed=3, num_layers=1, hidden_size=32)
+
+
+@pytest.mark.parametrize("gamma, check_every", list(BOUNDS))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_host_ops_and_reads_per_round_stay_bounded(pair, gamma, check_every, batch):
+    target, draft = pair
+    engine = Engine(target, drafter=ModelDrafter(draft, V, V) if gamma else None, gamma=gamma or 5, cuda_graphs=True,
+                    max_batch_size=8, check_every=check_every)
+    params = [SamplingParams(max_new_tokens=40, temperature=1.0, seed=s, ignore_eos=True) for s in range(batch)]
+    counts = per_round(engine, [[1, 2, 3]] * batch, params)
+    ops, reads = BOUNDS[gamma, check_every]
+    assert counts["ops_per_round"] <= ops and counts["reads_per_round"] <= reads, counts
+    assert counts["ops_per_round"] > 0  # the counter sees the rounds
+
+
+def test_the_counter_leaves_graph_bodies_out_and_counts_reads():
+    from specengine.engine.graphs import GraphedCalls
+
+    calls = GraphedCalls(use_graphs=False)
+    calls.buffers("k", lambda: dict(x=torch.ones(3)))
+    counter = HostOps()
+    with counter, counter.count():
+        y = torch.ones(3) + 1                                   # 2 ops: ones, add
+        calls.run("k", lambda x: (x * 2 + 1,))                  # a replay on a GPU: not counted
+        float(y.sum())                                          # sum and a read
+        y.tolist()                                              # a read
+    assert (counter.ops, counter.reads) == (4, 2)
