@@ -4,8 +4,9 @@ graph replays (engine.host_ops), on the fixed-shape path that CUDA graphs replay
     python bench/bench_host.py [--device cpu|cuda] [--new-tokens 48] [--out bench/results/host-<date>.json]
 
 Rows: target-only and speculative (gamma 3) rounds, at batch 1 and 8, read back every round
-(check_every 1) and in blocks of 4 rounds from device state (check_every 4), on the shipped
-pair at temperature 1. On a CPU the graphs' bodies run eagerly and are left out of the count as
+(check_every 1) and in blocks of 4 rounds from device state (check_every 4; each round one
+graphed call, and the rounds inside blocks also counted apart), on the shipped pair at
+temperature 1. On a CPU the graphs' bodies run eagerly and are left out of the count as
 replays are on a GPU, so the counts are the same on both. tests/test_host_ops.py bounds them.
 """
 from __future__ import annotations
@@ -42,9 +43,12 @@ def main():
                 row = dict(kind="speculative" if gamma else "target-only", gamma=gamma, check_every=check_every,
                            batch=batch, **counts)
                 rows.append(row)
+                inside = (f"; inside blocks {counts['block_ops_per_round']:.1f} ops per round, "
+                          f"{counts['reads_per_block']:.0f} read per block ({counts['block_rounds']} rounds)"
+                          if "block_rounds" in counts else "")
                 print(f"{row['kind']:11s} gamma {gamma} check_every {check_every} batch {batch}: "
                       f"{counts['ops_per_round']:6.1f} ops, {counts['reads_per_round']:.2f} reads per round "
-                      f"({counts['rounds']} rounds)", flush=True)
+                      f"({counts['rounds']} rounds){inside}", flush=True)
     write_json(dict(machine=machine_name(args.device), date=datetime.date.today().isoformat(), torch=torch.__version__,
                     rows=rows), args.out, f"host-{args.device}-{datetime.date.today().isoformat()}.json")
 

@@ -128,6 +128,9 @@ def test_blocks_replay_graphs_and_decode_as_eager_on_cuda(block_spy):
     assert [r.token_ids for r in blocks.generate(PROMPTS, PARAMS)] == want
     assert block_spy and blocks.target_steps.replays > 0 and blocks.drafter.steps.replays > 0
     assert blocks.target_steps.fallback_reason is None and blocks.drafter.steps.fallback_reason is None
+    # Each block's rounds replayed one captured graph a round (its warm-ups undone before capture).
+    assert any(key[0] == "round" and entry.graph is not None
+               for key, entry in blocks.target_steps.graphs.entries.items())
 
 
 def test_drafter_state_after_a_block_serves_a_later_catch_up():

@@ -125,23 +125,21 @@ class ModelDrafter:
             buffers["rows"].copy_(to_device([starts, lengths, last], torch.int64, device))
         return self._run_draft_phase(B, G, sampling, fill)
 
-    def propose_on_device(self, last_two: torch.Tensor, lengths: torch.Tensor, sampling: SamplingBatch,
-                          G: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The static draft phase from device state alone (Engine(check_every=N) runs rounds without
-        reading the device): last_two [B, 2] int64, each row's last two tokens; lengths [B] int64
-        (>= 2), its length. Returns tokens [B, G] and logits [B, G, V]; call resync afterwards."""
-        B, capacity = last_two.shape[0], self.steps.cache.capacity
-
-        def fill(buffers):
-            buffers["chunks"][:B].copy_(last_two)
-            buffers["chunks"][B:].zero_()
-            rows = buffers["rows"]
-            rows[0, :B] = lengths - self.CATCH_UP_WIDTH
-            rows[1, :B] = lengths
-            rows[2, :B] = self.CATCH_UP_WIDTH - 1
-            rows[:2, B:] = capacity
-            rows[2, B:] = 0
-        return self._run_draft_phase(B, G, sampling, fill)
+    def draft_phase_in_round(self, last_two: torch.Tensor, lengths: torch.Tensor, real: torch.Tensor,
+                             sampling: SamplingBatch, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static draft phase of a whole bucket, as plain ops for a caller's CUDA graph to
+        capture (a round run from device state, see engine.device_rounds): last_two [bucket, 2]
+        int64, lengths [bucket] int64, real [bucket] bool (False: a padding row, which starts at the
+        spill slot), sampling rows of the bucket. Returns tokens [bucket, G], logits [bucket, G, V]."""
+        capacity, W = self.steps.cache.capacity, self.CATCH_UP_WIDTH
+        row_lengths = torch.where(real, lengths, capacity)
+        rows = torch.stack([torch.where(real, lengths - W, capacity), row_lengths,
+                            torch.where(real, W - 1, 0)])
+        tokens, logits = self._draft_phase(torch.where(real[:, None], last_two, 0), rows, sampling.temperature,
+                                           sampling.top_k, sampling.top_p, sampling.min_p, sampling.seeds, G=G,
+                                           filters=sampling.filters)
+        self.cache.row_lengths(real.shape[0]).copy_(row_lengths + (G - 1))
+        return tokens, logits
 
     def caught_up(self, sequences: list[list[int]]) -> bool:
         """Whether each row's cache lacks at most the static catch-up's last tokens (all that a

@@ -472,7 +472,7 @@ class Engine:
         batch.make_room(max(len(s) for s in sequences) + block * (gamma + 1))
         if block > 1:
             outcomes = run_block(self.target_steps, self.drafter, batch.sampling, sequences, gamma, block,
-                                 self.verify_impl, self.phases)
+                                 self.check_every, self.verify_impl, self.phases)
         else:
             outcomes, gamma = self._round(batch.cache, active, sequences, gamma, batch.sampling, device)
         self.rounds += outcomes[0].rounds
@@ -538,7 +538,7 @@ class Engine:
         """Rounds to run from device state before reading back (1: a host round)."""
         if self.check_every == 1 or min(len(s) for s in sequences) < 2:
             return 1
-        if gamma > 0 and not (hasattr(self.drafter, "propose_on_device") and self.drafter.caught_up(sequences)):
+        if gamma > 0 and not (hasattr(self.drafter, "draft_phase_in_round") and self.drafter.caught_up(sequences)):
             return 1  # a host round first: its catch-up feeds the draft model what rounds at gamma 0 skipped
         return max(1, min(self.check_every, rounds_that_fit(self._rooms(active, sequences), gamma)))
 

@@ -74,12 +74,17 @@ class GraphedCalls:
             entry = self.entries[key] = _Entry(make())
         return entry.buffers
 
-    def run(self, key, fn: Callable[..., tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-        """fn(**key's buffers): the tensors it returns (copies when replayed from a graph)."""
+    def run(self, key, fn: Callable[..., tuple[torch.Tensor, ...]],
+            state: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+        """fn(**key's buffers): the tensors it returns (copies when replayed from a graph).
+
+        state: for a fn that updates its own buffers (and these tensors) in place, so that running
+        it twice is not running it once (a round that writes the next round's inputs): the capture's
+        warm-up runs are then undone, buffers and state restored, before the graph is captured."""
         entry = self.entries[key]
         if self.use_graphs and entry.graph is None:
             try:
-                entry.outputs, entry.graph = self._capture(fn, entry.buffers)
+                entry.outputs, entry.graph = self._capture(fn, entry.buffers, state)
             except Exception as exc:  # noqa: BLE001 (any capture failure means: run eagerly, and say why)
                 self.use_graphs = False
                 self.fallback_reason = f"{type(exc).__name__}: {exc}"
@@ -96,15 +101,19 @@ class GraphedCalls:
         finally:
             GraphedCalls.running -= 1
 
-    def _capture(self, fn, buffers):
+    def _capture(self, fn, buffers, state):
         # Two warm-up runs on a side stream keep lazy initialisation, Triton compilation and
         # allocations out of the graph. They run on the caller's inputs, so any state they write
-        # (cache entries) is what the replay writes again.
+        # (cache entries) is what the replay writes again; a stateful fn's buffers and state are
+        # put back as they were (cache entries written past a row's length stay unread).
+        saved = None if state is None else [(t, t.clone()) for t in (*buffers.values(), *state)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 fn(**buffers)
+            for tensor, copy in saved or ():
+                tensor.copy_(copy)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

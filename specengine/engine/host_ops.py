@@ -55,19 +55,40 @@ class HostOps(TorchDispatchMode):
 
 def per_round(engine, prompts, params) -> dict[str, float]:
     """Host ops and reads per round of engine.generate(prompts, params), its prefill left out
-    (only the rounds' own work, Engine._decode_round, is counted)."""
+    (only the rounds' own work, Engine._decode_round, is counted); and of the rounds run in blocks
+    from device state (engine.device_rounds.run_block), their ops per round and reads per block,
+    the block's setup and its one read included."""
+    from . import engine as engine_module
+
     counter = HostOps()
-    decode_round = engine._decode_round
+    decode_round, run_block = engine._decode_round, engine_module.run_block
+    blocks = dict(blocks=0, rounds=0, ops=0, reads=0)
 
     def counted(joined):
         with counter.count():
             return decode_round(joined)
 
+    def counted_block(*args, **kwargs):
+        ops, reads = counter.ops, counter.reads
+        try:
+            return run_block(*args, **kwargs)
+        finally:
+            blocks["blocks"] += 1
+            blocks["rounds"] += args[5]
+            blocks["ops"] += counter.ops - ops
+            blocks["reads"] += counter.reads - reads
+
     engine._decode_round = counted
+    engine_module.run_block = counted_block
     try:
         with counter:
             engine.generate(prompts, params)
     finally:
         del engine._decode_round
+        engine_module.run_block = run_block
     rounds = engine.last_run_rounds
-    return dict(rounds=rounds, ops_per_round=counter.ops / rounds, reads_per_round=counter.reads / rounds)
+    result = dict(rounds=rounds, ops_per_round=counter.ops / rounds, reads_per_round=counter.reads / rounds)
+    if blocks["blocks"]:
+        result.update(block_rounds=blocks["rounds"], block_ops_per_round=blocks["ops"] / blocks["rounds"],
+                      reads_per_block=blocks["reads"] / blocks["blocks"])
+    return result

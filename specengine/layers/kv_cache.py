@@ -37,6 +37,11 @@ class StaticKVCache:
         """[B] int64, the valid prefix of each row in use (a view: update it in place)."""
         return self._lengths[: self.batch_size]
 
+    def row_lengths(self, rows: int) -> torch.Tensor:
+        """[rows] int64, the lengths of the first `rows` allocated rows, in use or not (a view): a
+        fixed-shape step over a padded bucket advances its padding rows' lengths too."""
+        return self._lengths[:rows]
+
     @property
     def allocated_rows(self) -> int:
         return self.k.shape[1]
