@@ -266,7 +266,6 @@ def _stats_kernel(
 ):
     r = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    R = tl.num_programs(0)
     row, b = _logit_row(r, B, G, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg)
     t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _row_filters(
         b, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, filters)

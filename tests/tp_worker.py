@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
