@@ -178,3 +178,30 @@ def test_kernels_that_fail_fall_back_to_the_torch_path_and_say_why(checkpoint, m
     assert model.triton_fallback_reason == "RuntimeError: PTX assembly failed"
     assert "the Triton step kernels failed" in caplog.text
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels run here in the interpreter, on CPU tensors "
+                                                       "(on a GPU the engine tests run them compiled)")
+@pytest.mark.parametrize("check_every", [1, 3])
+def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(check_every):
+    """Both models on the kernels inside the fixed-shape steps of cuda_graphs (padded buckets,
+    attention over the whole capacity, rounds from device state): the same tokens as the torch path."""
+    from specengine import Engine, SamplingParams
+    from specengine.drafters.model import ModelDrafter
+
+    from engine_util import tiny_model
+
+    V = 40
+    prompts = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27]]
+    params = [SamplingParams(max_new_tokens=n, temperature=t, seed=s) for n, t, s in [(9, 0.0, 1), (7, 1.0, 2),
+                                                                                      (8, 0.8, 3)]]
+    tokens = {}
+    for kernels in (False, True):
+        target = tiny_model(V, seed=0, logit_scale=3.0, max_positions=64)
+        draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0, max_positions=64)
+        target.triton_kernels = draft.triton_kernels = kernels
+        engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=2, cuda_graphs=True, max_batch_size=4,
+                        check_every=check_every)
+        tokens[kernels] = [r.token_ids for r in engine.generate(prompts, params)]
+        assert target.triton_fallback_reason is None and draft.triton_fallback_reason is None
+    assert tokens[True] == tokens[False]
