@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .philox import _STREAM_ACCEPT, _STREAM_SAMPLE, _philox_uniform
 
-TILE = 4096           # vocabulary entries per tile (fewer for a smaller vocabulary)
+TILE = 4096           # vocabulary entries per tile
 NUM_BINS = 256        # radix-select digit: 8 bits of the 32-bit key per pass
 TILES_PER_LOAD = 16   # tiles summed per step of a combine
 _NEG_INF_KEY = tl.constexpr(0xFF800000)  # the descending key of -inf (the largest non-NaN key)
@@ -220,7 +220,7 @@ def _count_digits(row, start0, V, prefix, level, TILE: tl.constexpr, BLOCK: tl.c
     bins = tl.arange(0, NUM_BINS)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     left_out = 0
-    for start in range(start0, start0 + TILE, BLOCK):
+    for start in range(start0, tl.minimum(start0 + TILE, V), BLOCK):
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(row + idx, mask=idx < V, other=0.0).to(tl.float32)
         key = _descending_key(x)
@@ -240,7 +240,7 @@ def _weigh_digits(row, start0, V, prefix, level, row_max, t, cut, TILE: tl.const
     bins = tl.arange(0, NUM_BINS)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     mass = tl.zeros([NUM_BINS], dtype=tl.float32)
-    for start in range(start0, start0 + TILE, CHUNK):
+    for start in range(start0, tl.minimum(start0 + TILE, V), CHUNK):
         idx = start + tl.arange(0, CHUNK)
         x = tl.load(row + idx, mask=idx < V, other=-float("inf")).to(tl.float32)
         s = (x - row_max) / t
@@ -276,7 +276,7 @@ def _stats_kernel(
     z = 0.0
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     left_out = 0
-    for start in range(start0, start0 + TILE, BLOCK):
+    for start in range(start0, tl.minimum(start0 + TILE, V), BLOCK):
         idx = start + tl.arange(0, BLOCK)
         x = tl.load(row + idx, mask=idx < V, other=-float("inf")).to(tl.float32)
         block_max = tl.max(x, 0)
@@ -352,7 +352,7 @@ def _top_p_first_kernel(
     start0 = tile * TILE
     if uses_top_k:
         zk = 0.0
-        for start in range(start0, start0 + TILE, BLOCK):
+        for start in range(start0, tl.minimum(start0 + TILE, V), BLOCK):
             idx = start + tl.arange(0, BLOCK)
             s = (tl.load(row + idx, mask=idx < V, other=-float("inf")).to(tl.float32) - row_max) / t
             zk += tl.sum(tl.where(s >= cut, tl.exp(s), 0.0), 0)
@@ -431,7 +431,7 @@ def _floor_kernel(
             floor = tl.maximum(floor, min_p * (1.0 / z1))
         z2 = 0.0
         start0 = tile * TILE
-        for start in range(start0, start0 + TILE, BLOCK):
+        for start in range(start0, tl.minimum(start0 + TILE, V), BLOCK):
             idx = start + tl.arange(0, BLOCK)
             s = (tl.load(row + idx, mask=idx < V, other=-float("inf")).to(tl.float32) - row_max) / t
             p = tl.where(s >= cut, tl.exp(s) / z1, 0.0)
@@ -563,7 +563,7 @@ def _decide_kernel(
     p_mass = 0.0
     residual_mass = 0.0
     start0 = tile * TILE
-    for start in range(start0, start0 + TILE, BLOCK):
+    for start in range(start0, tl.minimum(start0 + TILE, V), BLOCK):
         p, residual = _final_masses(p_row, q_row, start + tl.arange(0, BLOCK), V, rejected, token, greedy, t, pw, qw,
                                     HAS_DRAFT)
         p_mass += tl.sum(p, 0)
@@ -640,7 +640,7 @@ def _sample_kernel(
     chosen = V
     last_positive = -1
     start0 = chosen_tile * TILE
-    for start in range(start0, start0 + TILE, BLOCK):
+    for start in range(start0, tl.minimum(start0 + TILE, V), BLOCK):
         idx = start + tl.arange(0, BLOCK)
         p, residual = _final_masses(p_row, q_row, idx, V, rejected, token, greedy, t, pw, qw, HAS_DRAFT)
         mass = tl.where(use_residual, residual, p)
@@ -667,8 +667,9 @@ def verify_triton(target_logits, draft_logits, draft_tokens, num_drafts, tempera
     G = G1 - 1
     device = target_logits.device
     R = B * G1 + (B * G if draft_logits is not None else 0)
-    tile = min(TILE, triton.next_power_of_2(V))
-    block = min(1024, tile)
+    # One tile size for every vocabulary (loops stop at V): a kernel compiles once per dtype and
+    # flags, not per vocabulary size.
+    tile, block = TILE, 1024
     T = triton.cdiv(V, tile)
     # The one-hot histogram's chunk: small on a GPU (registers); larger in the interpreter, whose
     # cost is per operation rather than per element.

@@ -233,10 +233,10 @@ def test_triton_does_not_recompile_for_new_round_sizes():
     launched = [kernels._stats_kernel, kernels._top_k_kernel, kernels._top_p_first_kernel, kernels._top_p_kernel,
                 kernels._floor_kernel, kernels._decide_kernel, kernels._sample_kernel]
     caches = [k.device_caches[torch.cuda.current_device()][0] for k in launched]
-    for G, V in [(1, 64), (3, 64), (5, 100), (2, 100)]:  # the first call compiles (TILE 64 and 128)
+    for G, V in [(1, 64), (3, 100)]:  # compiles what these flags and this dtype need
         run("triton", random_case(4, G, V, seed=G))
     before = [set(c) for c in caches]
-    for G, V in [(2, 60), (4, 33), (6, 120), (1, 99), (8, 127)]:  # the same tiles, new G and V
+    for G, V in [(2, 60), (4, 33), (6, 5000), (1, 99), (8, 32000)]:  # new G and V, one of them over tiles
         run("triton", random_case(5, G, V, seed=G))
     assert all(set(c) == b for c, b in zip(caches, before)), "a new round size compiled a kernel again"
 
