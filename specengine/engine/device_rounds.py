@@ -73,8 +73,15 @@ def run_block(target_steps: StepGraphs, drafter, sampling: SamplingBatch, sequen
         with phases("round"):
             target_steps.graphs.run(key, round_fn, state=lengths)
 
-    # The block's one read from the device (on CUDA it waits for the replays).
-    rows = buffers["state"][:B].tolist()
+    # The block's one read from the device: on CUDA one copy into pinned memory, queued behind the
+    # replays, and one wait for it.
+    state = buffers["state"][:B]
+    if device.type == "cuda":
+        host = torch.empty(state.shape, dtype=state.dtype, pin_memory=True)
+        host.copy_(state, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()
+        state = host
+    rows = state.tolist()
     for i, name in enumerate(("draft", "target")):  # before any token of the block is kept
         if not all(row[layout.finite + i] for row in rows):
             raise InvalidLogitsError(f"{name} logits had NaN or infinite entries within a block of {rounds} "
