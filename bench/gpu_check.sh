@@ -65,7 +65,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $OUT/NAME.l
 # The kernel tests first: on CUDA the model runs the Triton step kernels (falling back to the torch
 # path, and saying so, if they fail to compile), so every later number depends on them.
 step tests-kernels 80 "$PY" -m pytest -q -rs tests/test_step_kernels.py tests/test_verify_kernels.py \
-  tests/test_sample_warped.py tests/test_csrc.py tests/test_engine_sampling.py -k "not test_speculative_sampling_matches"
+  tests/test_sample_warped.py tests/test_csrc.py
 step tests-graphs 40 "$PY" -m pytest -q -rs tests/test_graphs.py tests/test_device_rounds.py tests/test_engine_greedy.py \
   tests/test_widen.py
 step verify-bench 65 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
