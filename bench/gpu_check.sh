@@ -9,6 +9,7 @@
 #      torch reference, eager and replayed from a CUDA graph, float32 and bfloat16 logits;
 #   4. bench_step: launches per decoder layer and the replayed step against its weight-read floor,
 #      Triton kernels, torch path and torch.compile, for the shipped draft, target and widened target;
+#      bench_step_kernels: each step kernel against the torch ops it replaces;
 #   5. bench_graphs on the memory-bound target (the shipped target embedded in a ~1B Llama, same
 #      logits): eager PyTorch loop vs specengine eager vs CUDA graphs at batch 1, greedy, the
 #      replayed step costs fed into Theorem 3.8, the host's share of a round;
@@ -19,7 +20,7 @@
 #      compared across the ranks), greedy output against one GPU's. One GPU: skipped, and said so.
 # Logs, CSVs and JSON are written to a work folder and packed, after every step, into
 # $OUT/gpu-results.tar.gz (one file: the device tool returns at most 8). Budget: the steps'
-# timeouts add up to 440 s (100 s more with two GPUs), the install's to 40 s.
+# timeouts add up to 450 s (100 s more with two GPUs), the install's to 40 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-results}"
@@ -70,11 +71,12 @@ step tests-graphs 40 "$PY" -m pytest -q -rs tests/test_graphs.py tests/test_devi
   tests/test_widen.py
 step verify-bench 65 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
 step step-bench 70 "$PY" bench/bench_step.py --device cuda --out "$OUT/step-gpu.json"
+step step-kernels-bench 30 "$PY" bench/bench_step_kernels.py --out "$OUT/step-kernels-gpu.json"
 # Eager rounds are the slow rows (an eager step of the 1.0B target took 14-20 ms on the H200's host
 # in 2026-11-29's runs): one eager gamma on the widened target, sizes chosen to fit the timeouts.
-step graphs-widened 70 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 --temperatures 0 \
+step graphs-widened 65 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 --temperatures 0 \
   --gammas 2 3 4 --eager-gammas 3 --prompts 4 --new-tokens 32 --repeats 3 --out "$OUT/graphs-widened.json"
-step graphs-shipped 90 "$PY" bench/bench_graphs.py --device cuda --target shipped --batches 1 8 \
+step graphs-shipped 75 "$PY" bench/bench_graphs.py --device cuda --target shipped --batches 1 8 \
   --gammas 1 2 3 4 --eager-gammas 2 --prompts 8 --new-tokens 32 --repeats 3 --out "$OUT/graphs-shipped.json"
 step costs 25 "$PY" bench/bench_costs.py --device cuda --big-layers 0 --prompts 8 --out "$OUT/costs-gpu.json"
 
