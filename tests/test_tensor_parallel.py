@@ -42,9 +42,18 @@ def torchrun(args: list[str], timeout: int = 600, **env) -> subprocess.Completed
 
 
 @pytest.fixture(scope="module")
-def models(checkpoint):
+def models(checkpoint, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from gguf_util import write_gguf
+
     folders = {case: str(checkpoint(case)) for case in ARCHS}
     folders["llama3-rope-gqa-bf16"] = str(checkpoint("llama3-rope-gqa", torch.bfloat16))  # bfloat16 matrices
+    # A GGUF file: each rank dequantizes a tensor whole, then keeps its slice.
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint("qwen2-qkv-bias"))
+    path = tmp_path_factory.mktemp("gguf") / "qwen2.gguf"
+    write_gguf(path, hf.config, hf.state_dict())
+    folders["qwen2-gguf"] = str(path)
     return folders
 
 
@@ -62,7 +71,7 @@ def ranks(models, text_pair, tmp_path_factory):
             for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("case", ARCHS + ["llama3-rope-gqa-bf16"])
+@pytest.mark.parametrize("case", ARCHS + ["llama3-rope-gqa-bf16", "qwen2-gguf"])
 def test_split_logits_equal_one_process_and_every_rank_alike(case, models, ranks):
     single = logit_trace(load_model(models[case]), SEQUENCES)
     for i, want in enumerate(single):
