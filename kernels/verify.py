@@ -58,8 +58,9 @@ def _key_value(key):
 
 
 @triton.jit
-def _logit_row(r, B, G, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg):
-    """(pointer to logit row r, its batch row b)."""
+def _logit_row(r, B, G, V, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg, temperature_ptr,
+               top_k_ptr, top_p_ptr, min_p_ptr, filters):
+    """(pointer to logit row r, then its batch row's filters as _row_filters gives them)."""
     n_target = B * (G + 1)
     if r < n_target:
         b = r // (G + 1)
@@ -67,7 +68,9 @@ def _logit_row(r, B, G, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, 
     else:
         b = (r - n_target) // G
         row = draft_ptr + b * stride_db + (r - n_target - b * G) * stride_dg
-    return row, b
+    t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _row_filters(
+        b, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, filters)
+    return row, t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p
 
 
 @triton.jit
@@ -266,9 +269,9 @@ def _stats_kernel(
 ):
     r = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    row, b = _logit_row(r, B, G, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg)
-    t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _row_filters(
-        b, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, filters)
+    row, t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _logit_row(
+        r, B, G, V, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg, temperature_ptr, top_k_ptr,
+        top_p_ptr, min_p_ptr, filters)
     start0 = tile * TILE
     bins = tl.arange(0, NUM_BINS)
     tile_max = -float("inf")
@@ -307,9 +310,9 @@ def _top_k_kernel(
     r = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     R = tl.num_programs(0)
-    row, b = _logit_row(r, B, G, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg)
-    t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _row_filters(
-        b, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, filters)
+    row, t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _logit_row(
+        r, B, G, V, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg, temperature_ptr, top_k_ptr,
+        top_p_ptr, min_p_ptr, filters)
     if uses_top_k:
         prefix, need, done, key = _top_k_state(level, top_k, state_ptr, counts_ptr, r, R, T, LEVELS, TILES,
                                                NUM_BINS)
@@ -338,9 +341,9 @@ def _top_p_first_kernel(
     r = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     R = tl.num_programs(0)
-    row, b = _logit_row(r, B, G, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg)
-    t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _row_filters(
-        b, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, filters)
+    row, t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _logit_row(
+        r, B, G, V, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg, temperature_ptr, top_k_ptr,
+        top_p_ptr, min_p_ptr, filters)
     row_max, argmax, z = _row_max(tile_max_ptr, tile_arg_ptr, tile_z_ptr, r, T, t, TILES)
     cut = -float("inf")
     if uses_top_k:
@@ -379,9 +382,9 @@ def _top_p_kernel(
     r = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     R = tl.num_programs(0)
-    row, b = _logit_row(r, B, G, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg)
-    t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _row_filters(
-        b, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, filters)
+    row, t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _logit_row(
+        r, B, G, V, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg, temperature_ptr, top_k_ptr,
+        top_p_ptr, min_p_ptr, filters)
     if uses_top_p:
         row_max, argmax, z1 = _row_z1(tile_max_ptr, tile_arg_ptr, tile_z_ptr, tile_zk_ptr, r, T, t, uses_top_k,
                                       TILES)
@@ -414,9 +417,9 @@ def _floor_kernel(
     r = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     R = tl.num_programs(0)
-    row, b = _logit_row(r, B, G, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg)
-    t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _row_filters(
-        b, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, filters)
+    row, t, top_k, top_p, min_p, uses_top_k, uses_top_p, uses_min_p = _logit_row(
+        r, B, G, V, target_ptr, draft_ptr, stride_tb, stride_tg, stride_db, stride_dg, temperature_ptr, top_k_ptr,
+        top_p_ptr, min_p_ptr, filters)
     floor = 0.0
     if uses_top_p | uses_min_p:
         row_max, argmax, z1 = _row_z1(tile_max_ptr, tile_arg_ptr, tile_z_ptr, tile_zk_ptr, r, T, t, uses_top_k,
