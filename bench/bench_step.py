@@ -23,31 +23,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from specengine.benchmark import machine_name
 from specengine.engine.graphs import StepGraphs
+from specengine.engine.host_ops import HostOps
 from specengine.models.loader import load_model
 from specengine.shipped import shipped_pair
 
 from bench_costs import widened_target
-from common import sync, write_json
+from common import copy_bandwidth, sync, timeit, write_json
 
 CACHED = 64
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def step_inputs(model, batch: int):
@@ -63,9 +51,10 @@ def launches(model, batch: int) -> int:
     run = lambda: model.logits(model(tokens, cache.lengths.clone(), cache, kv_len=CACHED + 1))  # noqa: E731
     run()  # compile Triton kernels, warm caches
     if model.device.type != "cuda":
-        with CountOps() as counter:
+        counter = HostOps()
+        with counter, counter.count():
             run()
-        return counter.count
+        return counter.ops
     sync(model.device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
@@ -99,29 +88,9 @@ def step_ms(model, batch: int, compiled: bool, reps: int = 50) -> float:
         tokens = torch.zeros(batch, 1, dtype=torch.int64, device=model.device)
         start = torch.full((batch,), CACHED, dtype=torch.int64, device=model.device)
         call = lambda: steps(tokens, start)  # noqa: E731
-    for _ in range(5):
+    for _ in range(5):  # the first ones capture a graph, or compile
         call()
-    sync(model.device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        sync(model.device)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
-def copy_bandwidth(device) -> float:
-    x = torch.empty(64 * 2**20, dtype=torch.float32, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    sync(device)
-    return 2 * x.numel() * x.element_size() * 10 / (time.perf_counter() - t0)
+    return 1e3 * timeit(call, model.device, min_reps=reps, budget_s=0.0)
 
 
 @torch.inference_mode()  # as the engine runs: the kernels have no autograd, a step with gradients skips them

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -24,25 +22,11 @@ from specengine.kernels.norm import add_rms_norm_triton
 from specengine.ops.attention import attention_mask, cached_attention_reference, cached_attention_triton
 from specengine.ops.norm import rms_norm_reference
 
-from bench_step import copy_bandwidth
-from common import write_json
+from common import copy_bandwidth, timeit, write_json
 
 DTYPE = torch.bfloat16
 # (name, hidden, intermediate, heads, kv heads): the shipped target's shape and the widened one's.
 MODELS = [("shipped target", 512, 1408, 8, 4), ("widened target", 2048, 5632, 32, 8)]
-
-
-def median_us(fn, reps: int = 100) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
 
 
 def cases(device):
@@ -91,7 +75,7 @@ def main():
     rows = []
     for op, shape, moved, triton_fn, torch_fn in cases(device):
         floor_us = 1e6 * moved / bandwidth
-        kernel, reference = median_us(triton_fn), median_us(torch_fn)
+        kernel, reference = (1e6 * timeit(fn, device, min_reps=100, budget_s=0.0) for fn in (triton_fn, torch_fn))
         rows.append(dict(op=op, shape=shape, bytes=moved, floor_us=floor_us, triton_us=kernel, torch_us=reference,
                          triton_ratio_to_floor=kernel / floor_us, speedup=reference / kernel))
         print(f"{op:24s} {shape:36s} triton {kernel:8.1f} us  torch {reference:8.1f} us  "

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +24,7 @@ from specengine.benchmark import machine_name
 from specengine.ops.verify import verify
 from specengine.sampling.warp import sample_from_probs, warp_probs
 
-from common import RESULTS, sync
+from common import RESULTS, copy_bandwidth, timeit
 
 WARPS = {"T=1": dict(top_k=0, top_p=1.0), "top-k 50": dict(top_k=50, top_p=1.0), "top-p 0.9": dict(top_k=0, top_p=0.9)}
 # The shapes with targets first (a run cut short keeps them), each with every warp and both
@@ -45,20 +43,6 @@ def cases(quick: bool):
     return warped + [(B, G, V, torch.float32, "T=1") for B, G, V in SHAPES if (B, G, V) not in WARPED_SHAPES]
 
 
-def timeit(fn, device, min_reps=3, budget_s=1.0) -> float:
-    """Median seconds per call: at least min_reps calls, more while within budget_s."""
-    fn()
-    sync(device)
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < 200):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def replayed(fn, device, budget_s) -> float:
     """Median seconds per replay of fn captured in a CUDA graph (10 calls per graph, so that a
     replay's own launch is spread over them)."""
@@ -72,14 +56,6 @@ def replayed(fn, device, budget_s) -> float:
         for _ in range(10):
             fn()
     return timeit(graph.replay, device, min_reps=5, budget_s=budget_s) / 10
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a large device copy (read + write counted): the memory floor's yardstick."""
-    x = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB
-    y = torch.empty_like(x)
-    seconds = timeit(lambda: y.copy_(x), device, min_reps=5, budget_s=2.0)
-    return 2 * x.numel() * x.element_size() / seconds
 
 
 def make_inputs(B, G, V, dtype, warp, device, seed=0):

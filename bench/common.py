@@ -1,8 +1,11 @@
-"""What the benchmark scripts share: the results folder, synchronisation, the JSON writer
-(the machine's name is specengine.benchmark.machine_name)."""
+"""What the benchmark scripts share: the results folder, synchronisation, timing, the device's
+copy bandwidth (the memory floors' yardstick), the JSON writer (the machine's name is
+specengine.benchmark.machine_name)."""
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -22,3 +25,25 @@ def write_json(result: dict, out: str | None, default_name: str):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
+
+
+def timeit(fn, device, min_reps=3, budget_s=1.0) -> float:
+    """Median seconds per call: at least min_reps calls, more while within budget_s."""
+    fn()
+    sync(device)
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a large device copy (read + write counted): the memory floor's yardstick."""
+    x = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB
+    y = torch.empty_like(x)
+    seconds = timeit(lambda: y.copy_(x), device, min_reps=5, budget_s=2.0)
+    return 2 * x.numel() * x.element_size() / seconds
