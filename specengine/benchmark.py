@@ -114,11 +114,17 @@ def machine_name(device: torch.device | str = "cpu") -> str:
 
 @torch.inference_mode()
 def eager_decode(model, prompt_batch: list[list[int]], new_tokens: int, temperature: float, seed: int) -> list[list[int]]:
-    """The plain baseline: prefill, then one target step per token on our model and its KV cache."""
+    """The plain baseline: prefill, then one target step per token on our model and its KV cache
+    (an encoder-decoder model encodes the prompts, and its decoder starts at its start token)."""
     g = torch.Generator(model.device).manual_seed(seed)
     B = len(prompt_batch)
-    cache = model.new_cache(B, len(prompt_batch[0]) + new_tokens)
-    tokens = torch.tensor(prompt_batch, device=model.device)
+    if model.is_encoder_decoder:
+        cache = model.new_cache(B, 1 + new_tokens)
+        model.encode(cache, prompt_batch)
+        tokens = torch.full((B, 1), model.config.decoder_start_token_id, device=model.device)
+    else:
+        cache = model.new_cache(B, len(prompt_batch[0]) + new_tokens)
+        tokens = torch.tensor(prompt_batch, device=model.device)
     hidden = model(tokens, cache.lengths.clone(), cache)[:, -1]
     cache.lengths.add_(tokens.shape[1])
     out = []
@@ -146,7 +152,8 @@ def hf_decode(hf, prompt_batch, new_tokens, temperature, assistant=None) -> list
     if assistant is not None:
         kwargs.update(assistant_model=assistant)
     out = hf.generate(ids, **kwargs)
-    return out[:, ids.shape[1]:].tolist()
+    # An encoder-decoder's output is its decoder's: the start token, then the new tokens.
+    return out[:, 1 if hf.config.is_encoder_decoder else ids.shape[1]:].tolist()
 
 
 class LlamaCpp:
@@ -195,14 +202,15 @@ def run_benchmark(options: BenchOptions) -> Path:
     """Run every configuration, print the tables, write the CSV (and the plot); returns the CSV's path."""
     from tqdm import tqdm
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     engine = Engine.from_pretrained(options.target)
     target, tokenizer = engine.target, engine.tokenizer
     draft = load_model(options.draft)  # a draft folder may lack tokenizer files (it uses the target's)
     V = target.config.vocab_size
-    hf = AutoModelForCausalLM.from_pretrained(options.target, dtype=torch.float32).eval()
-    hf_draft = AutoModelForCausalLM.from_pretrained(options.draft, dtype=torch.float32).eval()
+    hf_class = AutoModelForSeq2SeqLM if target.is_encoder_decoder else AutoModelForCausalLM
+    hf = hf_class.from_pretrained(options.target, dtype=torch.float32).eval()
+    hf_draft = hf_class.from_pretrained(options.draft, dtype=torch.float32).eval()
     if getattr(tokenizer, "chat_template", None):
         prompts = heldout_chat_prompts(tokenizer, options.prompts, max_tokens=256)
     else:
@@ -371,6 +379,8 @@ def run_benchmark(options: BenchOptions) -> Path:
         writer.writeheader()
         writer.writerows(rows)
     report(rows, costs, gammas)
+    if target.is_encoder_decoder:
+        paper_c_view(rows)
     if options.plot:
         plot(rows, configs, gammas, options.out_dir / f"e2e-{date}.png")
     print(f"wrote {out}")
@@ -398,6 +408,21 @@ def report(rows: list[dict], costs: dict, gammas: list[int]):
         for row in rows:
             if row["drafter"] == drafter and row["gamma"] == g and row["batch"] == rows[0]["batch"]:
                 print(f"  {label:24s} gamma {g} T={row['temperature']:g}: alpha {row['alpha']}")
+
+
+# Appendix A.3 / Table 4 of the paper: c of T5-small drafting for T5-XXL on a TPU-v4 (not measurable here).
+PAPER_T5_SMALL_XXL_C = 0.02
+
+
+def paper_c_view(rows: list[dict]):
+    """Theorem 3.8 at each measured alpha, with the paper's T5-small -> T5-XXL cost ratio in place of ours."""
+    print(f"\nTheorem 3.8 at the measured alpha with the paper's c = {PAPER_T5_SMALL_XXL_C} (T5-small for T5-XXL, "
+          "Table 4; not measured here)")
+    for row in rows:
+        if row["drafter"] == "model" and isinstance(row["gamma"], int) and row["alpha"] != "":
+            print(f"  {row['config']:38s} alpha {row['alpha']:.3f}: "
+                  f"{predicted_speedup(row['alpha'], row['gamma'], PAPER_T5_SMALL_XXL_C):.2f}x "
+                  f"(with our c {row['c']}: {row['predicted_speedup']}x)")
 
 
 def plot(rows, configs, gammas, path):

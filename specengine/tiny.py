@@ -88,3 +88,55 @@ def save_random_checkpoint(folder: str | Path, config, tokenizer=None, seed: int
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return model
+
+
+def make_t5_config(vocab_size: int = 512, d_model: int = 64, d_kv: int = 16, d_ff: int = 128, num_layers: int = 2,
+                   num_decoder_layers: int | None = None, num_heads: int = 4, feed_forward_proj: str = "relu",
+                   tie_word_embeddings: bool = True, eos_token_id: int = 1, **overrides):
+    """A transformers T5Config (original T5 with "relu", v1.1 / Flan-T5 with "gated-gelu" and
+    tie_word_embeddings=False)."""
+    import transformers
+
+    kwargs = dict(vocab_size=vocab_size, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=num_layers,
+                  num_decoder_layers=num_decoder_layers, num_heads=num_heads, feed_forward_proj=feed_forward_proj,
+                  tie_word_embeddings=tie_word_embeddings, eos_token_id=eos_token_id, pad_token_id=0,
+                  decoder_start_token_id=0, architectures=["T5ForConditionalGeneration"])
+    kwargs.update(overrides)
+    return transformers.T5Config(**kwargs)
+
+
+def save_random_t5_checkpoint(folder: str | Path, config, tokenizer=None, seed: int = 0,
+                              dtype: torch.dtype = torch.float32, init_scale: float = 1.0):
+    """Save a randomly initialised T5ForConditionalGeneration (safetensors) and optionally a tokenizer.
+
+    A config with tie_word_embeddings=False (v1.1) gets an lm_head of its own in the file, as
+    v1.1 checkpoints hold: transformers 5 builds the model tied and unties it on loading only
+    when the file holds a distinct head. init_scale multiplies transformers' initialisation (it
+    makes random T5 logits nearly flat; larger weights make peaked, draft-like distributions)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(init_scale)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()
+               if not name.endswith("embed_tokens.weight")}
+    untied = config.to_dict().get("tie_word_embeddings") is False or not getattr(config, "scale_decoder_outputs", True)
+    if untied:
+        tensors["lm_head.weight"] = (torch.randn(config.vocab_size, config.d_model) * init_scale).to(dtype)
+    else:
+        tensors.pop("lm_head.weight", None)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    raw = config.to_dict()
+    raw["tie_word_embeddings"] = not untied
+    raw["dtype"] = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder

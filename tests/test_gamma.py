@@ -310,7 +310,8 @@ class _ClockedModel:
         self.device = torch.device("cpu")
 
     def new_cache(self, batch_size, capacity):
-        return SimpleNamespace(lengths=torch.zeros(batch_size, dtype=torch.int64))
+        lengths = torch.zeros(batch_size, dtype=torch.int64)
+        return SimpleNamespace(lengths=lengths, pretend_filled=lengths.fill_)
 
     def __call__(self, x, lengths, cache, kv_len):
         self.clock.spend(self.token_s * x.shape[1] + (self.cold_s if self.clock.last != self.name else 0.0))

@@ -342,8 +342,8 @@ def test_a_failed_prefill_ends_only_the_joiners(models, monkeypatch):
     engine.add_request(PROMPTS[3], params(3), "joins")
     real = batch.append_prompts
 
-    def broken(model, cache, prompts):
-        real(model, cache, prompts)  # rows appended, then the failure
+    def broken(model, cache, prompts, sources=None):
+        real(model, cache, prompts, sources)  # rows appended, then the failure
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(batch, "append_prompts", broken)

@@ -25,10 +25,13 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True) -> None:
+    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True,
+                 sources: list[list[int]] | None = None) -> None:
         """Append a row per prompt after the rows in flight (requests that joined the batch), for
         contexts of at most `capacity` tokens. prefill=False: leave the prompts to the rows' first
-        proposal (gamma="auto" may never draft for a request)."""
+        proposal (gamma="auto" may never draft for a request). sources: with an encoder-decoder
+        target, each row's encoder input (the prompts are then the decoder's start); a drafter
+        reads it as it needs (a draft model encodes it, the n-gram drafter copies from it)."""
 
     def reserve(self, capacity: int) -> None:
         """Room for contexts of `capacity` tokens in every row (the target's cache grew)."""

@@ -5,7 +5,7 @@ import torch
 
 from ..engine.graphs import StepGraphs
 from ..engine.runner import append_prompts, feed, to_device
-from ..models.llama import LlamaForCausalLM
+from ..models.loader import Model
 from ..ops.verify import sample_warped
 from ..sampling.batch import SamplingBatch
 from ..sampling.rng import STREAM_DRAFT, uniforms
@@ -13,7 +13,7 @@ from .base import Proposal
 
 
 class ModelDrafter:
-    def __init__(self, model: LlamaForCausalLM, vocab_size: int, num_real_tokens: int):
+    def __init__(self, model: Model, vocab_size: int, num_real_tokens: int):
         """vocab_size: the target's logit width; num_real_tokens: ids a draft may propose (the
         tokenizer's), so a draft with a padded embedding never proposes a padding id."""
         self.model = model
@@ -29,7 +29,8 @@ class ModelDrafter:
         """Run draft steps on a persistent cache through StepGraphs (CUDA graphs on a GPU)."""
         self.steps = StepGraphs(self.model, max_batch_size, capacity)
 
-    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True):
+    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True,
+                 sources: list[list[int]] | None = None):
         if self.cache is None:
             if self.steps is not None:
                 self.cache = self.steps.new_batch(0)
@@ -37,10 +38,7 @@ class ModelDrafter:
                 self.cache = self.model.new_cache(len(prompts), capacity)
                 self.cache.reset(0)
         self.cache.reserve(self.cache.batch_size + len(prompts), capacity)
-        if prefill:
-            append_prompts(self.model, self.cache, prompts)
-        else:
-            self.cache.add_rows(len(prompts))
+        append_prompts(self.model, self.cache, prompts, sources, prefill)
         self.fed += [len(p) - 1 if prefill else 0 for p in prompts]
 
     def reserve(self, capacity: int):

@@ -25,21 +25,30 @@ def ngram_propose_reference(tokens: list[int], min_n: int, max_n: int, max_draft
 
 
 class NgramDrafter:
+    """With an encoder-decoder target the search also covers each row's encoder input, placed
+    before its decoded sequence: a summary or a translation copies spans of its source, and a
+    match in the sequence itself, being later, still wins."""
+
     def __init__(self, min_n: int = 1, max_n: int = 3):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.sources: list[np.ndarray] = []  # each row's encoder input (empty for a decoder-only target)
 
-    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True):
-        pass  # it reads the sequences themselves: nothing to prepare
+    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True,
+                 sources: list[list[int]] | None = None):
+        # It reads the sequences themselves; of an encoder-decoder's rows it keeps the inputs.
+        self.sources += [np.asarray(s, dtype=np.int64) for s in sources] if sources is not None else \
+            [np.zeros(0, dtype=np.int64)] * len(prompts)
 
     def reserve(self, capacity: int):
         pass
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         drafts = [
-            _C.ngram_propose(np.asarray(seq, dtype=np.int64), self.min_n, self.max_n, budget) if budget else []
-            for seq, budget in zip(sequences, budgets)
+            _C.ngram_propose(np.concatenate([source, np.asarray(seq, dtype=np.int64)]), self.min_n, self.max_n,
+                             budget) if budget else []
+            for seq, source, budget in zip(sequences, self.sources, budgets)
         ]
         G = max(len(d) for d in drafts)
         tokens = torch.zeros(len(drafts), G, dtype=torch.int64)
@@ -54,4 +63,4 @@ class NgramDrafter:
         return None
 
     def keep_rows(self, rows):
-        pass
+        self.sources = [self.sources[i] for i in rows]

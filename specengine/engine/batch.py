@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from ..drafters.base import Drafter
 from ..layers.kv_cache import StaticKVCache
-from ..models.llama import LlamaForCausalLM
 from ..sampling.batch import SamplingBatch
 from .graphs import StepGraphs
 from .request import Request
@@ -16,7 +15,7 @@ from .runner import append_prompts
 
 
 class RunningBatch:
-    def __init__(self, target: LlamaForCausalLM, drafter: Drafter | None, target_steps: StepGraphs | None,
+    def __init__(self, target, drafter: Drafter | None, target_steps: StepGraphs | None,
                  max_seq_len: int):
         """target_steps: the persistent cache of fixed-shape steps (rows and capacity fixed), or None
         for a cache that grows as requests join."""
@@ -32,21 +31,22 @@ class RunningBatch:
         """Append a row per request and prefill it. prefill_draft=False leaves the draft model's
         prefill to the request's first drafting round (gamma="auto" may never draft for it)."""
         rows = len(self.requests) + len(requests)
-        need = max(len(r.prompt_token_ids) for r in requests) + self.HEADROOM
+        need = max(len(r.sequence_start) for r in requests) + self.HEADROOM
         if self.cache is None:
             self.cache = self.target.new_cache(rows, min(need, self.max_seq_len))
             self.cache.reset(0)
         else:  # one reallocation at most, for rows and positions both
             self.cache.reserve(rows, self._grown_capacity(need))
-        # Rows are appended by prompt length, for prefill calls over prompts of similar length
-        # (row order does not matter: seeded rows sample alike anywhere).
+        # Rows are appended by prompt length, for prefill (and encoder) calls over prompts of
+        # similar length (row order does not matter: seeded rows sample alike anywhere).
         requests = sorted(requests, key=lambda r: len(r.prompt_token_ids))
-        prompts = [r.prompt_token_ids for r in requests]
-        append_prompts(self.target, self.cache, prompts)
+        prompts = [r.sequence_start for r in requests]
+        sources = [r.source for r in requests] if self.target.is_encoder_decoder else None
+        append_prompts(self.target, self.cache, prompts, sources)
         if self.drafter is not None:
-            self.drafter.add_rows(prompts, self.cache.capacity, prefill=prefill_draft)
+            self.drafter.add_rows(prompts, self.cache.capacity, prefill=prefill_draft, sources=sources)
         for r in requests:
-            r.stats.target_calls += len(r.prompt_token_ids) > 1
+            r.stats.target_calls += len(r.sequence_start) > 1 or sources is not None
         self.requests += requests
         self._sampling()
 

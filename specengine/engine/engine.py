@@ -8,7 +8,9 @@ rows still running:
   2. the target scores [last token, drafts] in one forward at each row's cache length;
   3. verify accepts a prefix of the drafts and emits one more token per row;
   4. each cache's length becomes what the sequence holds: that is the whole rollback.
-Without a drafter every round is plain target-only decoding through the same code.
+Without a drafter every round is plain target-only decoding through the same code. With an
+encoder-decoder target (T5) the prompt is the encoder's input: each model encodes it once, when
+its row joins, and the sequence the rounds extend starts at the decoder's start token.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 
 from ..drafters.base import Drafter, Proposal
 from ..layers.parallel import init_tensor_parallel
-from ..models.llama import LlamaForCausalLM
+from ..models.loader import Model
 from ..ops.verify import IMPLEMENTATIONS, verify
 from ..sampling.batch import SamplingBatch, check_logits, logits_all_finite
 from ..sampling.params import SamplingParams
@@ -46,7 +48,7 @@ Prompt = str | bytes | Sequence[int]
 class Engine:
     """Generates with a target model, optionally speculating with a drafter; lossless either way."""
 
-    def __init__(self, target: LlamaForCausalLM, tokenizer=None, drafter: Drafter | None = None,
+    def __init__(self, target: Model, tokenizer=None, drafter: Drafter | None = None,
                  gamma: int | str = 5, max_seq_len: int | None = None, eos_token_ids: Sequence[int] | None = None,
                  verify_impl: str = "auto", max_gamma: int = 8,
                  costs: CostModel | dict[int, CostModel] | None = None, nvtx: bool = False,
@@ -80,6 +82,15 @@ class Engine:
             gamma = max_gamma
         elif drafter is not None and (not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= 64):
             raise ValueError(f"gamma must be an integer in [1, 64] or 'auto' when drafting, got {gamma!r}")
+        draft_model = getattr(drafter, "model", None)
+        if draft_model is not None and draft_model.is_encoder_decoder != target.is_encoder_decoder:
+            kinds = {True: "an encoder-decoder model", False: "a decoder-only model"}
+            raise ValueError(f"the target is {kinds[target.is_encoder_decoder]} but the draft is "
+                             f"{kinds[draft_model.is_encoder_decoder]}: a draft must read the prompt as its target "
+                             "does (pair T5 with T5, or use the ngram drafter)")
+        if target.is_encoder_decoder and cuda_graphs:
+            raise ValueError("cuda_graphs runs decoder-only targets; an encoder-decoder target decodes eagerly "
+                             "(drop cuda_graphs)")
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -356,7 +367,12 @@ class Engine:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         if not ids:
             raise ValueError("prompt is empty")
-        if len(ids) >= self.max_seq_len:
+        if self.target.is_encoder_decoder:
+            limit = self.target.config.max_source_positions
+            if len(ids) > limit:
+                raise ValueError(f"prompt has {len(ids)} tokens but the encoder takes at most {limit} "
+                                 "(the config's n_positions)")
+        elif len(ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_seq_len}: "
                              "no room to generate")
         return ids
@@ -385,7 +401,10 @@ class Engine:
         # Validate every prompt before queueing any: bad input leaves nothing half-done.
         encoded = [self._encode(p) for p in prompts]
         seeds = [p.seed if p.seed is not None else self._random_seed() for p in params]
-        return [Request(request_id, tokens, p, seed, DecodeStats(gamma=self.gamma, prompt_tokens=len(tokens)))
+        # An encoder-decoder target encodes the prompt; its decoder starts from its start token.
+        start = [self.target.config.decoder_start_token_id] if self.target.is_encoder_decoder else None
+        return [Request(request_id, tokens, p, seed, DecodeStats(gamma=self.gamma, prompt_tokens=len(tokens)),
+                        decoder_start=start)
                 for request_id, tokens, p, seed in zip(ids, encoded, params, seeds)]
 
     def _random_seed(self) -> int:
@@ -609,10 +628,10 @@ class Engine:
                 break
         if r.params.stop and self.tokenizer is not None:
             self._check_stop_strings(r, before)
-        if r.finish_reason is None and len(r.prompt_token_ids) + len(r.generated) >= self.max_seq_len:
+        if r.finish_reason is None and len(r.sequence_start) + len(r.generated) >= self.max_seq_len:
             r.finish_reason = "capacity"
             r.message = (f"stopped after {len(r.generated)} tokens: the context of {self.max_seq_len} tokens is full "
-                         f"(prompt {len(r.prompt_token_ids)} tokens); the partial output is kept")
+                         f"(it began with {len(r.sequence_start)}); the partial output is kept")
             log.warning(r.message)
         r.stats.generated_tokens = len(r.generated)
 

@@ -348,7 +348,7 @@ def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: i
             forward = lambda x: steps(x, cache.lengths)  # noqa: E731
         else:
             cache = model.new_cache(batch_size, context + tokens)
-            cache.lengths.fill_(context)
+            cache.pretend_filled(context)
             forward = lambda x: model.logits(model(x, cache.lengths.clone(), cache, kv_len=context + tokens))  # noqa: E731
         x = torch.zeros(batch_size, tokens, dtype=torch.int64, device=model.device)
 

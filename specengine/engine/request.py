@@ -104,7 +104,7 @@ class RequestOutput:
 @dataclass(eq=False)  # a request in flight is itself, not its fields
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]   # the prompt (with an encoder-decoder target: the encoder's input)
     params: SamplingParams
     seed: int
     stats: DecodeStats
@@ -116,7 +116,20 @@ class Request:
     added_at: float = 0.0         # perf_counter() when it was added (its wall time runs from there)
     sent_tokens: int = 0          # generated tokens already reported by a RequestOutput
     sent_chars: int = 0           # characters of its text already reported
+    # With an encoder-decoder target the decoded sequence starts here ([decoder_start_token_id]),
+    # not at the prompt, which the encoder reads.
+    decoder_start: list[int] | None = None
+
+    @property
+    def sequence_start(self) -> list[int]:
+        """What the decoded sequence holds before the first generated token."""
+        return self.prompt_token_ids if self.decoder_start is None else self.decoder_start
+
+    @property
+    def source(self) -> list[int] | None:
+        """The encoder's input (None for a decoder-only target)."""
+        return None if self.decoder_start is None else self.prompt_token_ids
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt_token_ids + self.generated
+        return self.sequence_start + self.generated

@@ -6,7 +6,7 @@ import torch
 
 from ..layers.kv_cache import StaticKVCache
 from ..layers.linear import GEMM_ROWS
-from ..models.llama import LlamaForCausalLM
+from ..models.loader import Model
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -18,7 +18,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def feed(model: LlamaForCausalLM, cache: StaticKVCache, chunks: list[list[int]],
+def feed(model: Model, cache: StaticKVCache, chunks: list[list[int]],
          cached: list[int] | None = None) -> torch.Tensor | None:
     """Append chunks[b] to row b of the cache (chunks may differ in length, even be empty).
 
@@ -43,16 +43,29 @@ def feed(model: LlamaForCausalLM, cache: StaticKVCache, chunks: list[list[int]],
     return hidden[rows, (chunk_lengths - 1).clamp(min=0)]
 
 
-def append_prompts(model: LlamaForCausalLM, cache: StaticKVCache, prompts: list[list[int]]):
+def append_prompts(model: Model, cache: StaticKVCache, prompts: list[list[int]],
+                   sources: list[list[int]] | None = None, prefill: bool = True):
     """Append a row per prompt to the cache (reserved by the caller) holding all but its last token.
 
     Prompts go in one call per group of consecutive prompts of similar length (sort them first):
     a call pads every row to its longest. A group never mixes prompts below GEMM_ROWS tokens with
     longer ones, which take the blocked GEMMs (see layers.linear): so a prompt's entries are those
     it gets when prefilled alone, whatever prompts join with it.
+    sources: an encoder-decoder model's encoder inputs, one per row, encoded first (grouped by
+    their lengths alike) into the rows' cross-attention caches; prompts are then the decoder's.
+    prefill=False appends the rows (encoded, with sources) but feeds none of the prompts.
     """
-    for group in _similar_lengths([len(p) - 1 for p in prompts]):
-        feed(model, cache.add_rows(len(group)), [prompts[i][:-1] for i in group], cached=[0] * len(group))
+    if sources is not None:  # grouped by the encoder's lengths (a decoder's prompts are its start token)
+        cache.reserve_source(max(len(s) for s in sources))
+        groups = _similar_lengths([len(s) for s in sources])
+    else:
+        groups = _similar_lengths([len(p) - 1 for p in prompts])
+    for group in groups:
+        rows = cache.add_rows(len(group))
+        if sources is not None:
+            model.encode(rows, [sources[i] for i in group])
+        if prefill:
+            feed(model, rows, [prompts[i][:-1] for i in group], cached=[0] * len(group))
 
 
 def _similar_lengths(lengths: list[int]) -> list[list[int]]:

@@ -53,6 +53,11 @@ class StaticKVCache:
         self.batch_size = batch_size
         self.lengths.zero_()
 
+    def pretend_filled(self, length: int):
+        """Make every row in use hold `length` entries (whatever they contain): what timing a step
+        at that context needs (engine.gamma.measure_costs)."""
+        self.lengths.fill_(length)
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of one layer, [allocated rows, capacity + 1, Hkv, D] each; the rows in use come first."""
         return self.k[layer], self.v[layer]
@@ -84,10 +89,15 @@ class StaticKVCache:
                              f"({start} in use); reserve room first")
         self.batch_size += count
         self._lengths[start:self.batch_size] = 0
-        view = object.__new__(StaticKVCache)
-        view.growable, view.capacity, view.batch_size = False, self.capacity, count
-        view.k, view.v, view._lengths = self.k[:, start:], self.v[:, start:], self._lengths[start:]
+        view = object.__new__(type(self))
+        view.growable, view.batch_size = False, count
+        self._share_rows(view, start)
         return view
+
+    def _share_rows(self, view: "StaticKVCache", start: int):
+        """Make `view` hold this cache's rows from `start` on (the same storage)."""
+        view.capacity = self.capacity
+        view.k, view.v, view._lengths = self.k[:, start:], self.v[:, start:], self._lengths[start:]
 
     def keep_rows(self, rows: list[int]):
         """Move the listed rows (in order) to the front and forget the others (finished requests)."""
@@ -100,3 +110,84 @@ class StaticKVCache:
         self.v[:, :n] = self.v[:, index]
         self._lengths[:n] = self._lengths[index]
         self.batch_size = n
+
+
+class EncoderDecoderKVCache(StaticKVCache):
+    """The decoder's self-attention cache (a StaticKVCache: one length per row, rollback by
+    length) plus each row's cross-attention keys and values, computed once from its encoder
+    output when the row joins and only read after.
+
+    cross_k, cross_v: [num_layers, allocated rows, source capacity, H, D]; source_lengths [rows]
+    int64: the encoder tokens of each row (keys past them are masked). The source capacity grows
+    as longer encoder inputs join (reserve_source), like the positions of a growable cache.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, growable: bool = True, source_capacity: int = 1):
+        super().__init__(num_layers, batch_size, capacity, num_heads, head_dim, dtype, device, growable)
+        self._allocate_cross(batch_size, source_capacity)
+
+    def _allocate_cross(self, rows: int, source_capacity: int):
+        L, _, _, H, D = self.k.shape
+        self.source_capacity = source_capacity
+        shape = (L, rows, source_capacity, H, D)
+        self.cross_k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
+        self.cross_v = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
+        self._source_lengths = torch.zeros(rows, dtype=torch.int64, device=self.k.device)
+
+    @property
+    def source_lengths(self) -> torch.Tensor:
+        """[B] int64, the encoder tokens of each row in use (a view)."""
+        return self._source_lengths[: self.batch_size]
+
+    def pretend_filled(self, length: int):
+        """Also an encoder input of `length` tokens in every row."""
+        super().pretend_filled(length)
+        self.reserve_source(length)
+        self.source_lengths.fill_(length)
+
+    def cross_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention k, v of one layer, [allocated rows, source capacity, H, D] each."""
+        return self.cross_k[layer], self.cross_v[layer]
+
+    def reserve(self, rows: int, capacity: int):
+        allocated = self.allocated_rows
+        super().reserve(rows, capacity)
+        if self.allocated_rows != allocated:
+            self._regrow_cross(self.allocated_rows, self.source_capacity)
+
+    def reserve_source(self, source_len: int):
+        """Room for encoder inputs of `source_len` tokens in every row (a fixed cache raises)."""
+        if source_len <= self.source_capacity:
+            return
+        if not self.growable:
+            raise ValueError(f"this cache holds encoder inputs of at most {self.source_capacity} tokens; "
+                             f"{source_len} do not fit")
+        self._regrow_cross(self.allocated_rows, max(source_len, 2 * self.source_capacity))
+
+    def _regrow_cross(self, rows: int, source_capacity: int):
+        k, v, lengths, n, kept = self.cross_k, self.cross_v, self._source_lengths, self.batch_size, self.source_capacity
+        self._allocate_cross(rows, source_capacity)
+        self.cross_k[:, :n, :kept] = k[:, :n]
+        self.cross_v[:, :n, :kept] = v[:, :n]
+        self._source_lengths[:n] = lengths[:n]
+
+    def _share_rows(self, view: "EncoderDecoderKVCache", start: int):
+        super()._share_rows(view, start)
+        view.source_capacity = self.source_capacity
+        view.cross_k, view.cross_v = self.cross_k[:, start:], self.cross_v[:, start:]
+        view._source_lengths = self._source_lengths[start:]
+
+    def add_rows(self, count: int) -> "EncoderDecoderKVCache":
+        view = super().add_rows(count)
+        view.source_lengths.zero_()
+        return view
+
+    def keep_rows(self, rows: list[int]):
+        if rows != list(range(len(rows))):
+            index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)
+            n = len(rows)
+            self.cross_k[:, :n] = self.cross_k[:, index]
+            self.cross_v[:, :n] = self.cross_v[:, index]
+            self._source_lengths[:n] = self._source_lengths[index]
+        super().keep_rows(rows)

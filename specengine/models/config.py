@@ -13,6 +13,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": dict(qkv_bias=None, qk_norm=True),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The encoder-decoder architecture (models.t5, configured by models.t5_config).
+T5_ARCHITECTURE = "T5ForConditionalGeneration"
 
 
 class ConfigError(ValueError):
@@ -89,7 +91,7 @@ class ModelConfig:
         if arch is None:
             raise ConfigError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join([*SUPPORTED_ARCHITECTURES, T5_ARCHITECTURE])}"
             )
         switches = SUPPORTED_ARCHITECTURES[arch]
         if raw.get("hidden_act", "silu") != "silu":
@@ -138,17 +140,25 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in {folder}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        path, raw = read_config(folder)
         try:
             return cls.from_dict(raw)
         except KeyError as e:
             raise ConfigError(f"{path} lacks the required field {e.args[0]!r}") from None
+
+
+def read_config(folder: str | Path) -> tuple[Path, dict]:
+    """(the path of a checkpoint folder's config.json, its contents)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return path, raw
 
 
 def _parse_rope(raw: dict) -> RopeConfig:

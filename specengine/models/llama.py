@@ -146,6 +146,8 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    is_encoder_decoder = False
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg

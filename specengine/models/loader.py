@@ -12,13 +12,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from ..layers.parallel import TensorParallel
-from .config import ModelConfig
+from ..layers.parallel import TensorParallel, TensorParallelError
+from .config import T5_ARCHITECTURE, ConfigError, ModelConfig, read_config
 from .llama import LlamaForCausalLM
+from .t5 import T5ForConditionalGeneration
+from .t5_config import T5Config
+
+Model = LlamaForCausalLM | T5ForConditionalGeneration
+AnyConfig = ModelConfig | T5Config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Keys some checkpoints carry that hold nothing we need (recomputed buffers).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# (T5's cross-attention never had a relative bias; old checkpoints saved an unused one.)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "EncDecAttention.relative_attention_bias.weight")
 
 
 class CheckpointError(ValueError):
@@ -77,15 +83,27 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}{hint}")
 
 
-def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-                weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+def load_config(folder: str | Path) -> AnyConfig:
+    """The config of a checkpoint folder: a decoder-only Llama-family model's or T5's."""
+    path, raw = read_config(folder)
+    parse = T5Config.from_dict if T5_ARCHITECTURE in (raw.get("architectures") or []) else ModelConfig.from_dict
+    try:
+        return parse(raw)
+    except KeyError as e:
+        raise ConfigError(f"{path} lacks the required field {e.args[0]!r}") from None
+
+
+def empty_model(cfg: AnyConfig, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+                weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None) -> Model:
     """The model of `cfg` (this rank's share of it with tp) with uninitialised weights in the
     dtypes load_model would give them."""
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     matrix_dtype = resolve_weight_dtype(weight_dtype, torch_dtype, cfg, device)
+    if isinstance(cfg, T5Config) and tp is not None:
+        raise TensorParallelError("tensor parallelism splits decoder-only models; T5 runs in one process")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, tp)
+        model = T5ForConditionalGeneration(cfg) if isinstance(cfg, T5Config) else LlamaForCausalLM(cfg, tp)
     model = model.to_empty(device=device).to(torch_dtype)
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -106,7 +124,7 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+               weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None) -> Model:
     """A Hugging Face checkpoint folder, or a GGUF file (models.gguf; its weights dequantized
     and held as a bfloat16 checkpoint's would be).
     dtype: the compute dtype (None: float32 on CPU, the checkpoint's on GPU).
@@ -124,7 +142,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
         return fill_model(empty_model(cfg, device, dtype, weight_dtype, tp), tensors, path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
-    cfg = ModelConfig.from_folder(path)
+    cfg = load_config(path)
     model = empty_model(cfg, device, dtype, weight_dtype, tp)
     return fill_model(model, safetensors_tensors(path), path)
 
@@ -147,7 +165,7 @@ def _shape(source) -> tuple[int, ...]:
     return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
 
 
-def fill_model(model: LlamaForCausalLM, tensors, source: Path) -> LlamaForCausalLM:
+def fill_model(model: Model, tensors, source: Path) -> Model:
     """Copy (name, tensor or safetensors slice) pairs into `model` by checkpoint name; every
     weight exactly once, and of a split model only this rank's part of it."""
     cfg = model.config
@@ -178,7 +196,8 @@ def fill_model(model: LlamaForCausalLM, tensors, source: Path) -> LlamaForCausal
         )
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")  # shares embed_tokens.weight
-    missing = sorted(set(params) - loaded)
+    optional = getattr(model, "OPTIONAL_CHECKPOINT_TENSORS", frozenset())
+    missing = sorted(set(params) - loaded - optional)
     if missing:
         raise CheckpointError(
             f"{source}: weights missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
@@ -190,4 +209,6 @@ def fill_model(model: LlamaForCausalLM, tensors, source: Path) -> LlamaForCausal
                                   f"[0, {cfg.vocab_size})")
         if cfg.tie_word_embeddings:
             model.gather_output_rows()
+    if hasattr(model, "finish_load"):
+        model.finish_load(loaded)
     return model.eval().requires_grad_(False)
