@@ -12,7 +12,7 @@ Two parts, each configuration interleaved with the others and the median of the 
 1. `specengine bench` on the pair (specengine.benchmark): HF generate alone and assisted, the
    eager loop, specengine target-only, with the draft at each gamma and "auto", and n-gram lookup
    in the encoder input.
-2. The loop's own cost, on the T5-small-like model as target, batch 1, greedy:
+2. The loop's own cost, on the same T5-base-like target, batch 1, greedy:
    - target-only;
    - the same model as its own draft at gamma 4: every draft accepted, but a draft step costs a
      target step (c = 1), so Theorem 3.8 predicts (g + 1) / (g + 1) = 1x at best;
@@ -20,7 +20,7 @@ Two parts, each configuration interleaved with the others and the median of the 
      drafted at no cost (q one-hot): every draft accepted with c = 0, so the speedup is what the
      loop makes of verifying 5 tokens per target call, its overhead included.
 
-Writes t5-<date>.json (part 2) and, through the benchmark, e2e-<date>.csv into --out-dir.
+Writes e2e-t5-<date>.csv and -runs.json (part 1) and t5-loop-<date>.json (part 2) into --out-dir.
 
     python bench/bench_t5.py --out-dir bench/results [--quick]
 """
@@ -144,17 +144,17 @@ def main():
     if not args.skip_e2e:
         run_benchmark(BenchOptions(folders["t5-base-like"], folders["t5-small-like"], out, prompts=count,
                                    new_tokens=new_tokens, repeats=repeats, gammas=(2, 4, 6), batches=(1,),
-                                   temperatures=(0.0, 1.0), plot=False))
-    engine = Engine.from_pretrained(folders["t5-small-like"])
+                                   temperatures=(0.0, 1.0), plot=False, label="e2e-t5"))
+    engine = Engine.from_pretrained(folders["t5-base-like"])
     prompts = heldout_prompts(engine.tokenizer, count, length=64, start_fraction=1 / 3)
     result = dict(machine=machine_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
-                  target="t5-small-like (random, bfloat16 checkpoint)", prompts=count, new_tokens=new_tokens,
-                  repeats=repeats, configs=loop_cost(folders["t5-small-like"], prompts, new_tokens, repeats))
+                  target="t5-base-like (random, bfloat16 checkpoint)", prompts=count, new_tokens=new_tokens,
+                  repeats=repeats, configs=loop_cost(folders["t5-base-like"], prompts, new_tokens, repeats))
     for name, row in result["configs"].items():
         print(f"{name:20s} {row['tokens_per_s']:8.1f} tok/s  vs target-only {row['vs_target_only']:5.2f}x  "
               f"vs HF {row['vs_hf']:5.2f}x  alpha {row['alpha']}  tokens/call {row['tokens_per_target_call']}  "
               f"greedy == target-only {row['greedy_equals_target_only']}")
-    path = out / f"t5-{result['date']}.json"
+    path = out / f"t5-loop-{result['date']}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -68,7 +68,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to $OUT/NAME.l
 step tests-kernels 80 "$PY" -m pytest -q -rs tests/test_step_kernels.py tests/test_verify_kernels.py \
   tests/test_sample_warped.py tests/test_csrc.py
 step tests-graphs 40 "$PY" -m pytest -q -rs tests/test_graphs.py tests/test_device_rounds.py tests/test_engine_greedy.py \
-  tests/test_widen.py
+  tests/test_widen.py tests/test_t5.py::test_t5_greedy_on_cuda_equals_cpu
 step verify-bench 65 "$PY" bench/bench_verify.py --device cuda --out "$OUT/verify-gpu.csv"
 step step-bench 70 "$PY" bench/bench_step.py --device cuda --out "$OUT/step-gpu.json"
 step step-kernels-bench 30 "$PY" bench/bench_step_kernels.py --out "$OUT/step-kernels-gpu.json"

@@ -109,6 +109,22 @@ void cached_attention_py(uintptr_t q, uintptr_t k, uintptr_t v, int64_t q_token_
                                kv_len, window);
 }
 
+// Raw data pointers of CPU tensors, validated by specengine/ops/attention.py (never call directly);
+// k, v and bias_table may be 0 (none).
+void relative_attention_py(uintptr_t q, int64_t q_token_stride, uintptr_t k, uintptr_t v, int64_t k_token_stride,
+                           int64_t v_token_stride, uintptr_t positions, uintptr_t cache_k, uintptr_t cache_v,
+                           int64_t capacity, int64_t cache_row_stride, int64_t kv_len, uintptr_t bias_table,
+                           uintptr_t out, int64_t B, int64_t T, int64_t H, int64_t D) {
+  if (B < 0 || T < 0 || H < 1 || D < 1 || kv_len < 1 || q_token_stride < H * D ||
+      (k != 0 && (k_token_stride < H * D || v_token_stride < H * D || capacity < kv_len)))
+    throw std::invalid_argument("relative_attention: inconsistent sizes");
+  py::gil_scoped_release release;
+  specengine::relative_attention(ptr<const float>(q), q_token_stride, ptr<const float>(k), ptr<const float>(v),
+                                 k_token_stride, v_token_stride, ptr<const int64_t>(positions), ptr<float>(cache_k),
+                                 ptr<float>(cache_v), capacity, cache_row_stride, kv_len,
+                                 ptr<const float>(bias_table), ptr<float>(out), B, T, H, D);
+}
+
 // Raw data pointers of CPU tensors, validated by specengine/ops/norm.py (never call directly).
 void rms_norm_py(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t R, int64_t N, double eps) {
   if (R < 0 || N < 1) throw std::invalid_argument("rms_norm: need R >= 0 and N >= 1");
@@ -138,6 +154,29 @@ void decoder_layer_py(uintptr_t x, uintptr_t input_norm, uintptr_t qkv, uintptr_
   specengine::decoder_layer(weights, step, ptr<float>(x));
 }
 
+void t5_decoder_block_py(uintptr_t x, uintptr_t self_norm, uintptr_t qkv, uintptr_t self_o, uintptr_t cross_norm,
+                         uintptr_t cross_q, uintptr_t cross_o, uintptr_t ff_norm, uintptr_t wi, uintptr_t wo,
+                         int64_t hidden, int64_t H, int64_t D, int64_t d_ff, int64_t activation, bool gated,
+                         double eps, uintptr_t positions, uintptr_t cache_k, uintptr_t cache_v,
+                         uintptr_t bias_table, uintptr_t source_last, uintptr_t cross_k, uintptr_t cross_v, int64_t B,
+                         int64_t T, int64_t capacity, int64_t cache_row_stride, int64_t kv_len,
+                         int64_t cross_row_stride, int64_t source_capacity) {
+  if (B < 0 || T < 0 || hidden < 1 || H < 1 || D < 1 || d_ff < 1 || activation < 0 || activation > 3 ||
+      capacity < 1 || kv_len < 1 || kv_len > capacity || source_capacity < 1 || bias_table == 0)
+    throw std::invalid_argument("t5_decoder_block: inconsistent sizes");
+  const specengine::T5BlockWeights weights{
+      ptr<const float>(self_norm), ptr<const uint16_t>(qkv), ptr<const uint16_t>(self_o),
+      ptr<const float>(cross_norm), ptr<const uint16_t>(cross_q), ptr<const uint16_t>(cross_o),
+      ptr<const float>(ff_norm), ptr<const uint16_t>(wi), ptr<const uint16_t>(wo), hidden, H, D, d_ff,
+      static_cast<specengine::T5Activation>(activation), gated, static_cast<float>(eps)};
+  const specengine::T5Step step{ptr<const int64_t>(positions), ptr<float>(cache_k), ptr<float>(cache_v),
+                                ptr<const float>(bias_table), ptr<const int64_t>(source_last), ptr<float>(cross_k),
+                                ptr<float>(cross_v), B, T, capacity, cache_row_stride, kv_len, cross_row_stride,
+                                source_capacity};
+  py::gil_scoped_release release;
+  specengine::t5_decoder_block(weights, step, ptr<float>(x));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -163,6 +202,13 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cache_k"), py::arg("cache_v"), py::arg("out"), py::arg("B"), py::arg("T"), py::arg("H"),
         py::arg("Hkv"), py::arg("D"), py::arg("capacity"), py::arg("cache_row_stride"), py::arg("kv_len"),
         py::arg("window"));
+  m.def("relative_attention", &relative_attention_py,
+        "T5 attention of one layer over a static cache, with its relative position bias, on CPU tensors "
+        "(use specengine.ops.attention).",
+        py::arg("q"), py::arg("q_token_stride"), py::arg("k"), py::arg("v"), py::arg("k_token_stride"),
+        py::arg("v_token_stride"), py::arg("positions"), py::arg("cache_k"), py::arg("cache_v"), py::arg("capacity"),
+        py::arg("cache_row_stride"), py::arg("kv_len"), py::arg("bias_table"), py::arg("out"), py::arg("B"),
+        py::arg("T"), py::arg("H"), py::arg("D"));
   m.def("decoder_layer", &decoder_layer_py,
         "One Llama decoder layer, in place on x [B * T, hidden] float32, bfloat16 matrices (use "
         "specengine.ops.decoder_layer).",
@@ -172,6 +218,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("Hkv"), py::arg("D"), py::arg("intermediate"), py::arg("eps"), py::arg("cos"), py::arg("sin"),
         py::arg("positions"), py::arg("cache_k"), py::arg("cache_v"), py::arg("B"), py::arg("T"),
         py::arg("capacity"), py::arg("cache_row_stride"), py::arg("kv_len"), py::arg("window"));
+  m.def("t5_decoder_block", &t5_decoder_block_py,
+        "One T5 decoder block, in place on x [B * T, hidden] float32, bfloat16 matrices (use "
+        "specengine.ops.decoder_layer).",
+        py::arg("x"), py::arg("self_norm"), py::arg("qkv"), py::arg("self_o"), py::arg("cross_norm"),
+        py::arg("cross_q"), py::arg("cross_o"), py::arg("ff_norm"), py::arg("wi"), py::arg("wo"), py::arg("hidden"),
+        py::arg("H"), py::arg("D"), py::arg("d_ff"), py::arg("activation"), py::arg("gated"), py::arg("eps"),
+        py::arg("positions"), py::arg("cache_k"), py::arg("cache_v"), py::arg("bias_table"), py::arg("source_last"),
+        py::arg("cross_k"), py::arg("cross_v"), py::arg("B"), py::arg("T"), py::arg("capacity"),
+        py::arg("cache_row_stride"), py::arg("kv_len"), py::arg("cross_row_stride"), py::arg("source_capacity"));
   m.def("rms_norm", &rms_norm_py, "Llama RMSNorm of float32 rows (use specengine.ops.norm).",
         py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("R"), py::arg("N"), py::arg("eps"));
   m.def("set_portable_kernels", [](bool on) { specengine::force_portable() = on; }, py::arg("on"),

@@ -35,15 +35,17 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
   return acc;
 }
 
-// One query's attention over keys lo..hi (inclusive) of its row: o [D] = softmax(q . k_j * scale) v_j.
+// One query's attention over keys lo..hi (inclusive) of its row: o [D] = softmax(q . k_j * scale
+// + bias_j) v_j, where bias_j = bias[j * bias_stride] (no bias when bias is null).
 // Inlined into a portable and an AVX2/FMA caller below, so the same loops are compiled for both
 // (the build itself targets baseline x86-64). scores has room for hi + 1 entries.
 __attribute__((always_inline)) inline void attend(const float* q, const float* keys, const float* values,
                                                   int64_t key_stride, int64_t lo, int64_t hi, int64_t D, float scale,
-                                                  float* scores, float* o) {
+                                                  const float* bias, int64_t bias_stride, float* scores, float* o) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t j = lo; j <= hi; ++j) {
     scores[j] = dot(q, keys + j * key_stride, D) * scale;
+    if (bias != nullptr) scores[j] += bias[j * bias_stride];
     m = std::max(m, scores[j]);
   }
   float total = 0.f;
@@ -64,16 +66,29 @@ __attribute__((always_inline)) inline void attend(const float* q, const float* k
 }
 
 void attend_portable(const float* q, const float* keys, const float* values, int64_t key_stride, int64_t lo,
-                     int64_t hi, int64_t D, float scale, float* scores, float* o) {
-  attend(q, keys, values, key_stride, lo, hi, D, scale, scores, o);
+                     int64_t hi, int64_t D, float scale, const float* bias, int64_t bias_stride, float* scores,
+                     float* o) {
+  attend(q, keys, values, key_stride, lo, hi, D, scale, bias, bias_stride, scores, o);
 }
 
 #ifdef SPECENGINE_X86
 SPECENGINE_AVX2 void attend_avx2(const float* q, const float* keys, const float* values, int64_t key_stride,
-                                 int64_t lo, int64_t hi, int64_t D, float scale, float* scores, float* o) {
-  attend(q, keys, values, key_stride, lo, hi, D, scale, scores, o);
+                                 int64_t lo, int64_t hi, int64_t D, float scale, const float* bias,
+                                 int64_t bias_stride, float* scores, float* o) {
+  attend(q, keys, values, key_stride, lo, hi, D, scale, bias, bias_stride, scores, o);
 }
 #endif
+
+using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, float,
+                          const float*, int64_t, float*, float*);
+
+AttendFn attend_fn() {
+#ifdef SPECENGINE_X86
+  return use_avx2() ? attend_avx2 : attend_portable;
+#else
+  return attend_portable;
+#endif
+}
 
 }  // namespace
 
@@ -104,11 +119,7 @@ void cached_attention(const float* q, const float* k, const float* v, int64_t q_
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t items = B * T * H;
   const bool parallel = items * kv_len * D > kParallelWork;
-#ifdef SPECENGINE_X86
-  const auto attend_one = use_avx2() ? attend_avx2 : attend_portable;
-#else
-  const auto attend_one = attend_portable;
-#endif
+  const AttendFn attend_one = attend_fn();
 #pragma omp parallel if (parallel)
   {
     std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(kv_len, 1)));
@@ -124,7 +135,50 @@ void cached_attention(const float* q, const float* k, const float* v, int64_t q_
         continue;
       }
       attend_one(q_rot.data() + item * D, cache_k + b * cache_row_stride + (h / group) * D,
-                 cache_v + b * cache_row_stride + (h / group) * D, Hkv * D, lo, hi, D, scale, scores.data(), o);
+                 cache_v + b * cache_row_stride + (h / group) * D, Hkv * D, lo, hi, D, scale, nullptr, 0,
+                 scores.data(), o);
+    }
+  }
+}
+
+void relative_attention(const float* q, int64_t q_token_stride, const float* k, const float* v,
+                        int64_t k_token_stride, int64_t v_token_stride, const int64_t* positions, float* cache_k,
+                        float* cache_v, int64_t capacity, int64_t cache_row_stride, int64_t kv_len,
+                        const float* bias_table, float* out, int64_t B, int64_t T, int64_t H,
+                        int64_t D) {
+  if (k != nullptr) {  // every write before any read: a query also sees the keys of its own call
+    for (int64_t bt = 0; bt < B * T; ++bt) {
+      const int64_t slot = std::min(positions[bt], capacity);
+      const int64_t offset = (bt / T) * cache_row_stride + slot * H * D;
+      std::copy(k + bt * k_token_stride, k + bt * k_token_stride + H * D, cache_k + offset);
+      std::copy(v + bt * v_token_stride, v + bt * v_token_stride + H * D, cache_v + offset);
+    }
+  }
+  const int64_t items = B * T * H;
+  const bool parallel = items * kv_len * D > kParallelWork;
+  const AttendFn attend_one = attend_fn();
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(kv_len, 1)));
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t bt = item / H, h = item % H, b = bt / T;
+      const int64_t p = positions[bt];
+      const int64_t hi = std::min(p, kv_len - 1);
+      float* o = out + item * D;
+      if (hi < 0) {
+        std::fill(o, o + D, 0.f);
+        continue;
+      }
+      // Key j lies p - j positions back: its bias is row p - j of the table (the last row beyond).
+      const float* bias = nullptr;
+      int64_t bias_stride = 0;
+      if (bias_table != nullptr) {  // the host sizes the table past every position (bias_rows > p)
+        bias = bias_table + p * H + h;
+        bias_stride = -H;
+      }
+      attend_one(q + bt * q_token_stride + h * D, cache_k + b * cache_row_stride + h * D,
+                 cache_v + b * cache_row_stride + h * D, H * D, 0, hi, D, 1.f, bias, bias_stride, scores.data(), o);
     }
   }
 }

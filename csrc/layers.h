@@ -22,6 +22,21 @@ void cached_attention(const float* q, const float* k, const float* v, int64_t q_
                       int64_t H, int64_t Hkv, int64_t D, int64_t capacity, int64_t cache_row_stride, int64_t kv_len,
                       int64_t window);
 
+// T5's attention over a static cache (no rotary embedding, no scale, heads not grouped):
+//   1. with k and v (self-attention), write each new token's k and v [H, D] at its position
+//      (positions at or past `capacity` go to the spill slot `capacity`); without (cross-attention
+//      over cached encoder keys), write nothing;
+//   2. each query at position p attends, in float32, to cache keys j <= p, j < kv_len, its score
+//      q . k_j plus (bias_table, [>p rows, H]) bias_table[p - j][h]: the learned bias of a key p - j
+//      positions back. For cross-attention, p is the row's last encoder token and there is no bias.
+// q [B, T, H, D] (token (b, t) at (b * T + t) * q_token_stride, heads contiguous), k and v likewise;
+// positions [B, T] int64 contiguous; cache rows at b * cache_row_stride, [*, H, D] each; out
+// [B, T, H * D]. The Python host wrapper (specengine/ops/attention.py) validates and allocates.
+void relative_attention(const float* q, int64_t q_token_stride, const float* k, const float* v,
+                        int64_t k_token_stride, int64_t v_token_stride, const int64_t* positions, float* cache_k,
+                        float* cache_v, int64_t capacity, int64_t cache_row_stride, int64_t kv_len,
+                        const float* bias_table, float* out, int64_t B, int64_t T, int64_t H, int64_t D);
+
 // out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)) for rows r of x [R, N] float32 (Llama RMSNorm,
 // normalised first and then scaled, as transformers does). x, weight [N] and out contiguous.
 void rms_norm(const float* x, const float* weight, float* out, int64_t R, int64_t N, float eps);

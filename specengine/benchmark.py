@@ -18,7 +18,8 @@ held-out files. Per
 configuration: tokens/s, ratios to HF and HF assisted, alpha, tokens per target call, c, the
 speedup over specengine target-only (the paper's baseline) next to Theorem 3.8's prediction,
 the extra arithmetic (the paper's Table 1 "ops"), where a round's time goes, and whether greedy
-outputs equal HF's greedy outputs. Writes e2e-<date>.csv and, with matplotlib, e2e-<date>.png:
+outputs equal HF's greedy outputs. Writes <label>-<date>.csv (label "e2e" unless given) and, with
+matplotlib, <label>-<date>.png:
 measured and predicted speedup against gamma (the paper's Figure 3) and the accepted-length
 histogram.
 """
@@ -62,6 +63,7 @@ class BenchOptions:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     plot: bool = True
     gguf: Path | None = None  # the target's GGUF file, for llama.cpp (run when llama-cpp-python is installed)
+    label: str = "e2e"        # the output files' names start with it
 
     def __post_init__(self):
         self.target, self.draft, self.out_dir = Path(self.target), Path(self.draft), Path(self.out_dir)
@@ -320,7 +322,7 @@ def run_benchmark(options: BenchOptions) -> Path:
     # Every run's measurements as taken (outputs aside), before anything is derived from them.
     options.out_dir.mkdir(parents=True, exist_ok=True)
     raw = {cfg.name: [{k: v for k, v in r.items() if k != "outputs"} for r in cfg.runs] for cfg in configs}
-    (options.out_dir / f"e2e-{date}-runs.json").write_text(json.dumps(raw, indent=1) + "\n")
+    (options.out_dir / f"{options.label}-{date}-runs.json").write_text(json.dumps(raw, indent=1) + "\n")
 
     def rate(cfg):
         return statistics.median(r["tokens"] / r["seconds"] for r in cfg.runs)
@@ -372,7 +374,7 @@ def run_benchmark(options: BenchOptions) -> Path:
                 if cfg.kind in ("spec", "eager", "llamacpp") and cfg.temperature == 0 and cfg.batch == B:
                     same = all(r["outputs"] == reference for r in cfg.runs)
                     next(row for row in rows if row["config"] == cfg.name)["greedy_equals_hf"] = same
-    out = options.out_dir / f"e2e-{date}.csv"
+    out = options.out_dir / f"{options.label}-{date}.csv"
     fields = list(dict.fromkeys(k for row in rows for k in row))
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
@@ -382,7 +384,7 @@ def run_benchmark(options: BenchOptions) -> Path:
     if target.is_encoder_decoder:
         paper_c_view(rows)
     if options.plot:
-        plot(rows, configs, gammas, options.out_dir / f"e2e-{date}.png")
+        plot(rows, configs, gammas, options.out_dir / f"{options.label}-{date}.png")
     print(f"wrote {out}")
     return out
 

@@ -220,3 +220,79 @@ def test_decoder_layer_errors_name_the_problem(checkpoint):
         decoder_layer(x, w, **{**args, "num_kv_heads": 3})
     with pytest.raises(ValueError, match="positions must be >= 0"):
         decoder_layer(x, w, **{**args, "positions": positions - 9})
+
+
+# ---- T5's relative attention -----------------------------------------------------------------
+
+def relative_case(B, T, H, D, slots, starts, seed=0):
+    """Random q/k/v, cache (stale entries included) and bias table for T new tokens per row."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
+    positions = torch.tensor(starts)[:, None] + torch.arange(T)
+    cache_k = torch.randn(B + 1, slots, H, D, generator=g)
+    cache_v = torch.randn(B + 1, slots, H, D, generator=g)
+    table = torch.randn(slots + T, H, generator=g) * 3
+    return q, k, v, positions, cache_k, cache_v, table
+
+
+RELATIVE_SHAPES = [  # B, T, H, D, slots (capacity + 1 with writes), starts
+    (1, 1, 4, 8, 17, [7]),               # one decode step
+    (3, 5, 6, 16, 41, [0, 17, 35]),      # a verification of 4 drafts, ragged rows
+    (2, 9, 2, 64, 33, [1, 20]),          # gamma 8
+    (2, 4, 2, 8, 11, [5, 8]),            # positions past the capacity (padding into the spill slot)
+]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+@pytest.mark.parametrize("kind", ["self", "cross", "self-no-bias"])
+@pytest.mark.parametrize("B,T,H,D,slots,starts", RELATIVE_SHAPES)
+def test_relative_attention_matches_the_reference(B, T, H, D, slots, starts, kind, portable):
+    from specengine.ops.attention import relative_attention
+
+    q, k, v, positions, cache_k, cache_v, table = relative_case(B, T, H, D, slots, starts)
+    if kind == "cross":  # encoder keys: each row sees its first n (n - 1 as the position), nothing written
+        k = v = None
+        positions = torch.tensor([[min(s + 2, slots - 1)] * T for s in starts])
+        table, kv_len = None, slots
+    else:
+        kv_len = min(max(starts) + T, slots - 1)
+        table = None if kind == "self-no-bias" else table
+    results = {}
+    for impl in ("reference", "cpp"):
+        ck, cv = cache_k.clone(), cache_v.clone()
+        with portable_cpu_kernels(portable and impl == "cpp"):
+            results[impl] = (relative_attention(q, k, v, positions, ck, cv, kv_len, table, impl=impl), ck, cv)
+    (want, want_k, want_v), (got, got_k, got_v) = results["reference"], results["cpp"]
+    assert got.shape == (B, T, H * D)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    if kind == "cross":
+        assert torch.equal(got_k, cache_k)  # nothing written
+
+
+def test_relative_attention_bias_is_the_keys_distance_back():
+    """One query at position 3 over keys 0..3 with equal scores: softmax of the bias rows 3, 2, 1, 0."""
+    from specengine.ops.attention import relative_attention
+
+    H, D = 1, 2
+    q = torch.zeros(1, 1, H, D)
+    cache_k = torch.zeros(1, 5, H, D)
+    cache_v = torch.arange(5.0)[None, :, None, None].expand(1, 5, H, D).contiguous()
+    table = torch.tensor([[0.0], [1.0], [2.0], [3.0], [9.0]])
+    out = relative_attention(q, None, None, torch.tensor([[3]]), cache_k, cache_v, 5, table, impl="cpp")
+    weights = torch.softmax(torch.tensor([3.0, 2.0, 1.0, 0.0]), 0)  # keys 0..3 lie 3..0 back
+    torch.testing.assert_close(out[0, 0], (weights * torch.arange(4.0)).sum().expand(D))
+
+
+def test_relative_attention_errors_name_the_problem():
+    from specengine.ops.attention import relative_attention
+
+    q, k, v, positions, cache_k, cache_v, table = relative_case(1, 2, 2, 4, 9, [3])
+    with pytest.raises(ValueError, match="both k and v"):
+        relative_attention(q, k, None, positions, cache_k, cache_v, 5, table)
+    with pytest.raises(ValueError, match="kv_len must be in"):
+        relative_attention(q, k, v, positions, cache_k, cache_v, 9, table)
+    with pytest.raises(ValueError, match="bias_table must be"):
+        relative_attention(q, k, v, positions, cache_k, cache_v, 5, table[:4])
+    with pytest.raises(ValueError, match="float32 CPU"):
+        relative_attention(q.double(), k, v, positions, cache_k, cache_v, 5, table, impl="cpp")

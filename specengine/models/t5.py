@@ -10,35 +10,29 @@ Positions are relative: a learned bias per (head, bucket of key - query), in the
 each stack and shared by the rest, added to the unscaled q.k scores. The decoder's bias depends
 only on the distance back, so a table over distances is built once (grown by doubling) and each
 forward gathers from it at its rows' own positions. Module names are ours; checkpoint_tensors
-maps transformers' names onto them (q/k/v and gate/up packed into one matrix each, as in llama.py).
+maps transformers' names onto them (q/k/v and wi_0/wi_1 packed into one matrix each, as in llama.py).
+
+On a CPU in float32 the norms and attentions are C++ ops (ops.norm, ops.attention's
+relative_attention); with bfloat16-stored matrices each decoder block of a decoding step is one
+C++ call (ops.decoder_layer.t5_decoder_block). Elsewhere (CUDA, float16/bfloat16 compute) the
+torch path runs: the same arithmetic, and the oracle of the C++ ops in the tests.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..layers.kv_cache import EncoderDecoderKVCache
-from ..layers.linear import Linear
+from ..layers.linear import GEMM_ROWS, Linear
+from ..layers.norm import RMSNorm
+from ..layers.tracked import TracksParameterAssignments
+from ..ops.attention import biased_attention, relative_attention_cpp, relative_attention_reference, relative_bias
+from ..ops.decoder_layer import T5BlockWeights, t5_decoder_block_cpp
 from .t5_config import T5Config
-
-
-class T5LayerNorm(nn.Module):
-    """RMS norm without mean or bias, accumulated in float32 (transformers' T5LayerNorm)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(self.weight.dtype)
-        return self.weight * x
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -59,18 +53,10 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
     return buckets + torch.where(distance < max_exact, distance, large)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T + bias) v, unscaled (T5 folds the scale into its weights).
-    q [B, T, H, D]; k, v [B, S, H, D]; bias [B or 1, H or 1, T, S] (-inf: masked). Returns [B, T, H*D]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=bias.to(q.dtype), scale=1.0)
-    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
-
-
 class FeedForward(nn.Module):
     def __init__(self, cfg: T5Config):
         super().__init__()
-        self.norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
         self.d_ff, self.gated, self.activation = cfg.d_ff, cfg.gated, cfg.activation
         # wi_0 and wi_1 in one matrix when gated (checkpoint_tensors maps them onto its rows).
         self.wi = Linear(cfg.d_model, (2 if cfg.gated else 1) * cfg.d_ff, bias=False)
@@ -85,8 +71,8 @@ class FeedForward(nn.Module):
             return F.gelu(x)
         return F.silu(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.wi(self.norm(x))
+    def forward(self, x: torch.Tensor, cpu_kernels: bool) -> torch.Tensor:
+        h = self.wi(self.norm(x, cpu_kernels))
         if self.gated:
             gate, up = h.split(self.d_ff, dim=-1)
             h = self.act(gate) * up
@@ -98,22 +84,22 @@ class FeedForward(nn.Module):
 class SelfAttention(nn.Module):
     def __init__(self, cfg: T5Config):
         super().__init__()
-        self.norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
         self.num_heads, self.d_kv = cfg.num_heads, cfg.d_kv
         self.inner = cfg.num_heads * cfg.d_kv
         self.qkv = Linear(cfg.d_model, 3 * self.inner, bias=False)
         self.o = Linear(self.inner, cfg.d_model, bias=False)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, cpu_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
-        q, k, v = self.qkv(self.norm(x)).view(B, T, 3, self.num_heads, self.d_kv).unbind(2)
+        q, k, v = self.qkv(self.norm(x, cpu_kernels)).view(B, T, 3, self.num_heads, self.d_kv).unbind(2)
         return q, k, v
 
 
 class CrossAttention(nn.Module):
     def __init__(self, cfg: T5Config):
         super().__init__()
-        self.norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
         self.num_heads, self.d_kv = cfg.num_heads, cfg.d_kv
         self.inner = cfg.num_heads * cfg.d_kv
         self.q = Linear(cfg.d_model, self.inner, bias=False)
@@ -127,10 +113,10 @@ class EncoderBlock(nn.Module):
         self.attn = SelfAttention(cfg)
         self.ff = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.attn.project(x)
-        x = x + self.attn.o(attend(q, k, v, bias))
-        return self.ff(x)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, cpu_kernels: bool) -> torch.Tensor:
+        q, k, v = self.attn.project(x, cpu_kernels)
+        x = x + self.attn.o(biased_attention(q, k, v, bias))
+        return self.ff(x, cpu_kernels)
 
 
 class DecoderBlock(nn.Module):
@@ -141,20 +127,37 @@ class DecoderBlock(nn.Module):
         self.cross = CrossAttention(cfg)
         self.ff = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                self_bias: torch.Tensor, cross_bias: torch.Tensor, cache: EncoderDecoderKVCache) -> torch.Tensor:
-        B = x.shape[0]
-        q, k, v = self.attn.project(x)
+    def forward(self, x: torch.Tensor, step: "DecoderStep", cache: EncoderDecoderKVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.attn.project(x, step.cpu_kernels)
         cache_k, cache_v = cache.layer(self.index)
-        # Each token's K/V at its own position (padding at the spill slot or past the row's length).
-        cache_k[rows, positions] = k
-        cache_v[rows, positions] = v
-        x = x + self.attn.o(attend(q, cache_k[:B, :kv_len], cache_v[:B, :kv_len], self_bias))
         cross = self.cross
-        q = cross.q(cross.norm(x)).view(B, x.shape[1], cross.num_heads, cross.d_kv)
         cross_k, cross_v = cache.cross_layer(self.index)
-        x = x + cross.o(attend(q, cross_k[:B], cross_v[:B], cross_bias))
-        return self.ff(x)
+        if step.cpu_kernels:  # the C++ op also writes the new tokens' K/V at their positions
+            x = x + self.attn.o(relative_attention_cpp(q, k, v, step.positions, cache_k, cache_v, step.kv_len,
+                                                       step.bias_table))
+            q = cross.q(cross.norm(x, True)).view(B, T, cross.num_heads, cross.d_kv)
+            return self.ff(x + cross.o(relative_attention_cpp(q, None, None, step.source_last, cross_k, cross_v,
+                                                               cache.source_capacity, None)), True)
+        x = x + self.attn.o(relative_attention_reference(q, k, v, step.positions, cache_k, cache_v, step.kv_len,
+                                                         step.self_bias))
+        q = cross.q(cross.norm(x, False)).view(B, T, cross.num_heads, cross.d_kv)
+        x = x + cross.o(relative_attention_reference(q, None, None, step.source_last, cross_k, cross_v,
+                                                     cache.source_capacity, step.cross_bias))
+        return self.ff(x, False)
+
+
+@dataclass
+class DecoderStep:
+    """What every decoder block of one forward shares."""
+
+    positions: torch.Tensor    # [B, T] int64, each new token's position
+    kv_len: int                # self-attention keys a query may see (max position + 1, within capacity)
+    source_last: torch.Tensor  # [B, T] int64, each row's last encoder token (the cross-attention's "position")
+    bias_table: torch.Tensor   # [n > max position, H]: the decoder's bias of a key d positions back
+    cpu_kernels: bool          # the C++ ops (float32 on a CPU); else the torch path and its biases:
+    self_bias: torch.Tensor | None   # [B, H, T, kv_len]
+    cross_bias: torch.Tensor | None  # [B, 1, T, source capacity]
 
 
 class T5ForConditionalGeneration(nn.Module):
@@ -171,12 +174,19 @@ class T5ForConditionalGeneration(nn.Module):
         self.encoder_bias = nn.Parameter(torch.zeros(buckets, cfg.num_heads))
         self.decoder_bias = nn.Parameter(torch.zeros(buckets, cfg.num_heads))
         self.encoder = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.num_layers))
-        self.encoder_norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.encoder_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
         self.decoder = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_decoder_layers))
-        self.decoder_norm = T5LayerNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.decoder_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
         # Its own weight until a checkpoint without lm_head.weight ties it (tie_head).
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._distance_bias: tuple[tuple, torch.Tensor] | None = None  # see decoder_distance_bias
+        # The C++ ops for float32 on a CPU (as LlamaForCausalLM.cpu_kernels): RMSNorm and the
+        # attentions, or with bfloat16-stored matrices each decoder block in one call
+        # (whole_block_kernels). Tests switch them off to compare with the torch path.
+        self.cpu_kernels = True
+        self.whole_block_kernels = True
+        self._block_weights: list[T5BlockWeights] | None = None  # see whole_block_weights
+        self._block_weights_assignments = -1
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -275,9 +285,10 @@ class T5ForConditionalGeneration(nn.Module):
         padding = offsets[None, :] >= lengths[:, None]  # [B, S] keys past each row's input
         bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))  # [B, H, S, S]
         x = self.shared.weight[tokens].to(self.dtype)
+        cpu_kernels = self.cpu_kernels_apply(x)
         for block in self.encoder:
-            x = block(x, bias)
-        return self.encoder_norm(x)
+            x = block(x, bias, cpu_kernels)
+        return self.encoder_norm(x, cpu_kernels)
 
     # ---- the decoder ------------------------------------------------------------------------
 
@@ -291,18 +302,50 @@ class T5ForConditionalGeneration(nn.Module):
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         kv_len = min(kv_len, cache.capacity)
-        keys = torch.arange(kv_len, device=tokens.device)
-        distance = positions[:, :, None] - keys  # [B, T, kv_len]; < 0: a key after the query
-        self_bias = self.decoder_distance_bias(cache.capacity + T)[distance.clamp(min=0)].permute(0, 3, 1, 2)
-        self_bias = self_bias.masked_fill((distance < 0)[:, None], float("-inf"))  # [B, H, T, kv_len]
-        source = torch.arange(cache.source_capacity, device=tokens.device)
-        cross_bias = torch.zeros(B, 1, 1, cache.source_capacity, dtype=self.dtype, device=tokens.device)
-        cross_bias.masked_fill_((source[None, :] >= cache.source_lengths[:, None])[:, None, None], float("-inf"))
-        rows = torch.arange(B, device=tokens.device)[:, None]
         x = self.shared.weight[tokens].to(self.dtype)
+        cpu_kernels = self.cpu_kernels_apply(x)
+        table = self.decoder_distance_bias(cache.capacity + T)
+        source_last = (cache.source_lengths - 1)[:, None].expand(B, T).contiguous()
+        self_bias = cross_bias = None
+        if not cpu_kernels:
+            self_bias = relative_bias(positions, kv_len, table, self.dtype)
+            cross_bias = relative_bias(source_last, cache.source_capacity, None, self.dtype)
+        blocks = self.whole_block_weights() if cpu_kernels and self.whole_block_kernels and T < GEMM_ROWS else None
+        if blocks is not None:  # (a prefill-sized call takes the per-op path, whose products become GEMMs)
+            c = self.config
+            for i, weights in enumerate(blocks):
+                cross_k, cross_v = cache.cross_layer(i)
+                t5_decoder_block_cpp(x, weights, c.num_heads, c.d_kv, c.activation, c.gated, c.layer_norm_epsilon,
+                                     positions, *cache.layer(i), kv_len, table, source_last, cross_k, cross_v)
+            return self.decoder_norm(x, cpu_kernels)
+        step = DecoderStep(positions, kv_len, source_last, table, cpu_kernels, self_bias, cross_bias)
         for block in self.decoder:
-            x = block(x, rows, positions, kv_len, self_bias, cross_bias, cache)
-        return self.decoder_norm(x)
+            x = block(x, step, cache)
+        return self.decoder_norm(x, cpu_kernels)
+
+    def whole_block_weights(self) -> list[T5BlockWeights] | None:
+        """Each decoder block's weights for ops.decoder_layer.t5_decoder_block, or None unless every
+        matrix is stored in bfloat16. Kept between calls (rebuilt when a parameter is replaced)."""
+        if self._block_weights_assignments != TracksParameterAssignments.assignments:
+            self._block_weights = [T5BlockWeights(b.attn.norm.weight, b.attn.qkv.weight, b.attn.o.weight,
+                                                  b.cross.norm.weight, b.cross.q.weight, b.cross.o.weight,
+                                                  b.ff.norm.weight, b.ff.wi.weight, b.ff.wo.weight)
+                                   for b in self.decoder]
+            self._block_weights_assignments = TracksParameterAssignments.assignments
+        if all(t.dtype == torch.bfloat16 for w in self._block_weights
+               for t in (w.qkv, w.self_o, w.cross_q, w.cross_o, w.wi, w.wo)):
+            return self._block_weights
+        return None
+
+    def _apply(self, fn, recurse=True):
+        # .to() may swap parameters for new objects, which no count sees (as LlamaForCausalLM).
+        result = super()._apply(fn, recurse)
+        self._block_weights_assignments = -1
+        return result
+
+    def cpu_kernels_apply(self, x: torch.Tensor) -> bool:
+        """Whether this forward takes the C++ RMSNorm (float32 on a CPU, no autograd)."""
+        return self.cpu_kernels and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
 
     def decoder_distance_bias(self, limit: int) -> torch.Tensor:
         """[n >= limit, H]: the decoder's bias for a key `d` positions before its query. Rebuilt

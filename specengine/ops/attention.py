@@ -14,6 +14,10 @@ past the row's length and no query sees them until they are overwritten.
 
 Qwen3's per-head q/k norms go before the rotary embedding; the Triton path applies them inside
 its rotary launch (q_norm, k_norm), the others leave them to the caller.
+
+T5 (relative_attention) has no rotary embedding and no scale: a learned bias by the key's distance
+back is added to each score instead, and its cross-attention reads the encoder's cached keys up to
+each row's last source token. "cpp" (specengine._C.relative_attention) or "reference" (torch).
 """
 from __future__ import annotations
 
@@ -162,4 +166,112 @@ def cached_attention_cpp(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len:
                         cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
                         out.data_ptr(), B, T, H, k.shape[2], D, cache_k.shape[1] - 1, cache_k.stride(0), kv_len,
                         sliding_window or 0)
+    return out
+
+
+# ---- T5: relative position bias, no rotary embedding, no scale -----------------------------------
+
+def relative_attention(
+    q: torch.Tensor,                  # [B, T, H, D] queries
+    k: torch.Tensor | None,           # [B, T, H, D] new keys to write at `positions` (None: cross-attention)
+    v: torch.Tensor | None,           # [B, T, H, D] new values (None with k)
+    positions: torch.Tensor,          # [B, T] int64: each query sees keys 0..positions[b, t]
+    cache_k: torch.Tensor,            # [B_alloc >= B, slots, H, D] one layer's keys, rows in use first
+    cache_v: torch.Tensor,            # [B_alloc, slots, H, D] one layer's values
+    kv_len: int,                      # keys that may be visible (<= slots; with k, <= capacity = slots - 1)
+    bias_table: torch.Tensor | None,  # [n > max(positions), H]: the bias of a key d positions back (None: none)
+    impl: str = "reference",
+) -> torch.Tensor:
+    """T5 attention output [B, T, H * D]: softmax(q . k_j + bias_table[p - j]) over keys j <= p,
+    j < kv_len (scores unscaled: T5 folds the scale into its weights). With k and v, the new
+    tokens' keys and values are first written at their positions (positions at or past the
+    capacity go to the spill slot), so a query also sees its own call's keys."""
+    if impl not in ("cpp", "reference"):
+        raise ValueError(f"relative_attention: impl must be 'cpp' or 'reference', got {impl!r}")
+
+    def check(cond: bool, message: str):
+        if not cond:
+            raise ValueError(f"relative_attention: {message}")
+
+    check(q.dim() == 4, f"q must be [B, T, H, D], got {tuple(q.shape)}")
+    B, T, H, D = q.shape
+    check((k is None) == (v is None), "give both k and v, or neither")
+    for name, t in (("k", k), ("v", v)):
+        if t is not None:
+            check(t.shape == q.shape, f"{name} must be {tuple(q.shape)}, got {tuple(t.shape)}")
+    check(positions.shape == (B, T) and positions.dtype == torch.int64,
+          f"positions must be [{B}, {T}] int64, got {tuple(positions.shape)} {positions.dtype}")
+    check(cache_k.dim() == 4 and cache_k.shape[0] >= B and cache_k.shape[2:] == (H, D),
+          f"cache_k must be [>= {B}, slots, {H}, {D}], got {tuple(cache_k.shape)}")
+    check(cache_v.shape == cache_k.shape, f"cache_v must be {tuple(cache_k.shape)}, got {tuple(cache_v.shape)}")
+    limit = cache_k.shape[1] - (1 if k is not None else 0)
+    check(1 <= kv_len <= limit, f"kv_len must be in [1, {limit}], got {kv_len}")
+    if B and T:
+        check(int(positions.min()) >= 0, "positions must be >= 0")
+        check(bias_table is None or (bias_table.dim() == 2 and bias_table.shape[1] == H
+                                     and bias_table.shape[0] > int(positions.max())),
+              f"bias_table must be [> max(positions), {H}], got {None if bias_table is None else tuple(bias_table.shape)}")
+    if impl == "reference":
+        bias = relative_bias(positions, kv_len, bias_table, q.dtype)
+        return relative_attention_reference(q, k, v, positions, cache_k, cache_v, kv_len, bias)
+    tensors = dict(q=q, k=k, v=v, cache_k=cache_k, cache_v=cache_v, bias_table=bias_table)
+    for name, t in tensors.items():
+        if t is not None:
+            check(t.dtype == torch.float32 and t.device.type == "cpu",
+                  f"impl 'cpp' needs float32 CPU tensors, got {name} {t.dtype} on {t.device}")
+    check(cache_k.is_contiguous() and cache_v.is_contiguous(), "cache_k and cache_v must be contiguous")
+    q, k, v = (t if t is None or token_stride(t) is not None else t.contiguous() for t in (q, k, v))
+    return relative_attention_cpp(q, k, v, positions.contiguous(), cache_k, cache_v, kv_len,
+                                  None if bias_table is None else bias_table.contiguous())
+
+
+def relative_bias(positions: torch.Tensor, kv_len: int, bias_table: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """[B, H or 1, T, kv_len]: bias_table[p - j] for key j <= p, -inf for keys after the query
+    (the reference path's bias, built once per forward and shared by a stack's layers)."""
+    distance = positions[:, :, None] - torch.arange(kv_len, device=positions.device)  # [B, T, kv_len]
+    hidden = (distance < 0)[:, None]
+    if bias_table is None:
+        bias = torch.zeros(hidden.shape, dtype=dtype, device=positions.device)
+    else:
+        bias = bias_table.to(dtype)[distance.clamp(min=0)].permute(0, 3, 1, 2)
+    return bias.masked_fill(hidden, float("-inf"))
+
+
+def relative_attention_reference(q, k, v, positions, cache_k, cache_v, kv_len: int, bias: torch.Tensor) -> torch.Tensor:
+    """The torch composite (transformers' order of operations); bias from relative_bias, or any
+    [B or 1, H or 1, T, kv_len] additive bias (-inf: hidden)."""
+    B, T, H, D = q.shape
+    if k is not None:
+        slots = positions.clamp(max=cache_k.shape[1] - 1)
+        rows = torch.arange(B, device=positions.device)[:, None]
+        cache_k[rows, slots] = k
+        cache_v[rows, slots] = v
+    return biased_attention(q, cache_k[:B, :kv_len], cache_v[:B, :kv_len], bias)
+
+
+def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T + bias) v, unscaled, in transformers' order of operations. q [B, T, H, D];
+    k, v [B, S, H, D]; bias [B or 1, H or 1, T, S] in q's dtype (-inf: hidden). Returns [B, T, H*D].
+    (Three products and a softmax: for a decoding step's few queries, half the time of
+    scaled_dot_product_attention on a CPU.)"""
+    B, T, H, D = q.shape
+    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)).add_(bias)  # [B, H, T, S]
+    out = torch.matmul(scores.softmax(-1), v.transpose(1, 2))  # [B, H, T, D]
+    return out.transpose(1, 2).reshape(B, T, H * D)
+
+
+def relative_attention_cpp(q, k, v, positions, cache_k, cache_v, kv_len: int,
+                           bias_table: torch.Tensor | None) -> torch.Tensor:
+    """The C++ op without argument checks, for model layers: float32 CPU tensors, q (k, v) with a
+    token_stride, the rest contiguous."""
+    from .. import _C
+
+    B, T, H, D = q.shape
+    out = torch.empty((B, T, H * D), dtype=torch.float32)
+    _C.relative_attention(q.data_ptr(), token_stride(q), 0 if k is None else k.data_ptr(),
+                          0 if v is None else v.data_ptr(), 0 if k is None else token_stride(k),
+                          0 if v is None else token_stride(v), positions.data_ptr(), cache_k.data_ptr(),
+                          cache_v.data_ptr(), cache_k.shape[1] - 1, cache_k.stride(0), kv_len,
+                          0 if bias_table is None else bias_table.data_ptr(), out.data_ptr(), B, T, H, D)
     return out

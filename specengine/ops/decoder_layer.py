@@ -1,5 +1,5 @@
-"""A whole Llama decoder layer in one C++ call, for float32 decoding on a CPU with bfloat16-stored
-matrices (how the loader keeps a bfloat16 checkpoint there).
+"""A whole Llama decoder layer (or T5 decoder block, t5_decoder_block) in one C++ call, for float32
+decoding on a CPU with bfloat16-stored matrices (how the loader keeps a bfloat16 checkpoint there).
 
   x += o_proj(attention(rope(qkv_proj(rms_norm(x)))))
   x += down_proj(silu(gate) * up),  [gate, up] = gate_up_proj(rms_norm(x))
@@ -113,4 +113,99 @@ def decoder_layer_cpp(x, weights: DecoderLayerWeights, num_heads: int, num_kv_he
                      weights.gate_up.shape[0] // 2, eps, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                      cache_k.data_ptr(), cache_v.data_ptr(), B, T, cache_k.shape[1] - 1, cache_k.stride(0), kv_len,
                      sliding_window or 0)
+    return x
+
+
+# ---- T5 ----------------------------------------------------------------------------------------
+
+T5_ACTIVATION_CODES = {"relu": 0, "gelu_new": 1, "gelu": 2, "silu": 3}  # csrc/decoder.h T5Activation
+
+
+class T5BlockWeights(NamedTuple):
+    """One T5 decoder block's parameters: matrices [out, in] bfloat16, norms float32, CPU, contiguous."""
+
+    self_norm: torch.Tensor   # [hidden]
+    qkv: torch.Tensor         # [3 * H * D, hidden], q, k and v rows packed
+    self_o: torch.Tensor      # [hidden, H * D]
+    cross_norm: torch.Tensor  # [hidden]
+    cross_q: torch.Tensor     # [H * D, hidden]
+    cross_o: torch.Tensor     # [hidden, H * D]
+    ff_norm: torch.Tensor     # [hidden]
+    wi: torch.Tensor          # [(2 if gated else 1) * d_ff, hidden], wi_0 rows then wi_1 rows
+    wo: torch.Tensor          # [hidden, d_ff]
+
+
+def t5_decoder_block(
+    x: torch.Tensor,             # [B, T, hidden] float32, updated in place
+    weights: T5BlockWeights,
+    num_heads: int,
+    head_dim: int,
+    activation: str,             # a key of T5_ACTIVATION_CODES
+    gated: bool,
+    eps: float,
+    positions: torch.Tensor,     # [B, T] int64, each new token's position
+    cache_k: torch.Tensor,       # [B_alloc >= B, capacity + 1, H, D] float32, this layer's keys (written)
+    cache_v: torch.Tensor,       # [B_alloc, capacity + 1, H, D] (written)
+    kv_len: int,                 # self-attention keys that may be visible (<= capacity)
+    bias_table: torch.Tensor,    # [> max(positions), H] float32, the bias of a key d positions back
+    source_last: torch.Tensor,   # [B, T] int64, each row's last encoder token
+    cross_k: torch.Tensor,       # [B_alloc, source capacity, H, D] float32, this layer's encoder keys
+    cross_v: torch.Tensor,       # [B_alloc, source capacity, H, D]
+) -> torch.Tensor:
+    """Validate, then run the block in place on x; returns x."""
+    _check(x.dim() == 3 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous(),
+           f"x must be a contiguous float32 CPU tensor [B, T, hidden], got {tuple(x.shape)} {x.dtype} on {x.device}")
+    B, T, hidden = x.shape
+    H, D, inner = num_heads, head_dim, num_heads * head_dim
+    _check(activation in T5_ACTIVATION_CODES, f"activation must be one of {list(T5_ACTIVATION_CODES)}, "
+                                              f"got {activation!r}")
+    rows = 2 if gated else 1
+    _check(weights.wi.dim() == 2 and weights.wi.shape[0] % rows == 0,
+           f"wi must be [{rows} * d_ff, {hidden}], got {tuple(weights.wi.shape)}")
+    d_ff = weights.wi.shape[0] // rows
+    expected = {"self_norm": (hidden,), "qkv": (3 * inner, hidden), "self_o": (hidden, inner), "cross_norm": (hidden,),
+                "cross_q": (inner, hidden), "cross_o": (hidden, inner), "ff_norm": (hidden,),
+                "wi": (rows * d_ff, hidden), "wo": (hidden, d_ff)}
+    for name, shape in expected.items():
+        t = getattr(weights, name)
+        dtype = torch.bfloat16 if t.dim() == 2 else torch.float32
+        _check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {tuple(t.shape)}")
+        _check(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous(),
+               f"{name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}")
+    for name, t in (("positions", positions), ("source_last", source_last)):
+        _check(t.shape == (B, T) and t.dtype == torch.int64 and t.device.type == "cpu",
+               f"{name} must be int64 CPU [{B}, {T}], got {tuple(t.shape)} {t.dtype}")
+    for name, t, slots in (("cache_k", cache_k, "capacity + 1"), ("cache_v", cache_v, "capacity + 1"),
+                           ("cross_k", cross_k, "source capacity"), ("cross_v", cross_v, "source capacity")):
+        _check(t.dim() == 4 and t.shape[0] >= B and t.shape[2:] == (H, D) and t.dtype == torch.float32
+               and t.device.type == "cpu" and t.is_contiguous(),
+               f"{name} must be a contiguous float32 CPU tensor [>= {B}, {slots}, {H}, {D}], got "
+               f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    _check(cache_v.shape == cache_k.shape and cross_v.shape == cross_k.shape, "values must be shaped as their keys")
+    capacity = cache_k.shape[1] - 1
+    _check(1 <= kv_len <= capacity, f"kv_len must be in [1, capacity={capacity}], got {kv_len}")
+    if B and T:
+        _check(int(positions.min()) >= 0 and bias_table.shape[0] > int(positions.max()),
+               f"positions must be >= 0 and below the bias table's {bias_table.shape[0]} rows")
+        _check(int(source_last.min()) >= 0 and int(source_last.max()) < cross_k.shape[1],
+               f"source_last must be in [0, {cross_k.shape[1]})")
+    _check(bias_table.dim() == 2 and bias_table.shape[1] == H and bias_table.dtype == torch.float32
+           and bias_table.is_contiguous(), f"bias_table must be contiguous float32 [n, {H}]")
+    return t5_decoder_block_cpp(x, weights, H, D, activation, gated, eps, positions.contiguous(), cache_k, cache_v,
+                                kv_len, bias_table, source_last.contiguous(), cross_k, cross_v)
+
+
+def t5_decoder_block_cpp(x, weights: T5BlockWeights, num_heads: int, head_dim: int, activation: str, gated: bool,
+                         eps: float, positions, cache_k, cache_v, kv_len: int, bias_table, source_last, cross_k,
+                         cross_v) -> torch.Tensor:
+    """The C++ op without argument checks, for the model's blocks: the same contract as t5_decoder_block."""
+    from .. import _C
+
+    B, T, hidden = x.shape
+    d_ff = weights.wo.shape[1]
+    _C.t5_decoder_block(x.data_ptr(), *(t.data_ptr() for t in weights), hidden, num_heads, head_dim, d_ff,
+                        T5_ACTIVATION_CODES[activation], gated, eps, positions.data_ptr(), cache_k.data_ptr(),
+                        cache_v.data_ptr(), bias_table.data_ptr(), source_last.data_ptr(), cross_k.data_ptr(),
+                        cross_v.data_ptr(), B, T, cache_k.shape[1] - 1, cache_k.stride(0), kv_len, cross_k.stride(0),
+                        cross_k.shape[1])
     return x
