@@ -90,6 +90,45 @@ AttendFn attend_fn() {
 #endif
 }
 
+// What one (row, token, head) item attends with: its query, its kv head, its first key, its bias.
+struct Item {
+  const float* q;
+  int64_t kv_head, lo;
+  const float* bias;  // nullptr: none
+  int64_t bias_stride;
+};
+
+// Every item's attention into out [B, T, H, D], one item per iteration (in parallel when the work
+// is large): item(bt, h, p) says what query (row-token bt, head h, position p) attends with; it
+// sees keys item.lo..min(p, kv_len - 1) of its row (none: zeros).
+template <typename ItemOf>
+void attend_items(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const int64_t* positions,
+                  const float* cache_k, const float* cache_v, int64_t cache_row_stride, int64_t kv_len, float scale,
+                  float* out, ItemOf item_of) {
+  const int64_t items = B * T * H;
+  const bool parallel = items * kv_len * D > kParallelWork;
+  const AttendFn attend_one = attend_fn();
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(kv_len, 1)));
+#pragma omp for schedule(static)
+    for (int64_t index = 0; index < items; ++index) {
+      const int64_t bt = index / H, h = index % H, b = bt / T;
+      const int64_t p = positions[bt];
+      const int64_t hi = std::min(p, kv_len - 1);
+      const Item item = item_of(bt, h, p);
+      float* o = out + index * D;
+      if (hi < item.lo) {
+        std::fill(o, o + D, 0.f);
+        continue;
+      }
+      const int64_t offset = b * cache_row_stride + item.kv_head * D;
+      attend_one(item.q, cache_k + offset, cache_v + offset, Hkv * D, item.lo, hi, D, scale, item.bias,
+                 item.bias_stride, scores.data(), o);
+    }
+  }
+}
+
 }  // namespace
 
 void cached_attention(const float* q, const float* k, const float* v, int64_t q_token_stride,
@@ -116,29 +155,12 @@ void cached_attention(const float* q, const float* k, const float* v, int64_t q_
     }
   }
   // 3: one (row, token, head) per iteration.
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const int64_t items = B * T * H;
-  const bool parallel = items * kv_len * D > kParallelWork;
-  const AttendFn attend_one = attend_fn();
-#pragma omp parallel if (parallel)
-  {
-    std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(kv_len, 1)));
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t bt = item / H, h = item % H, b = bt / T;
-      const int64_t p = positions[bt];
-      const int64_t hi = std::min(p, kv_len - 1);
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      float* o = out + item * D;
-      if (hi < lo) {
-        std::fill(o, o + D, 0.f);
-        continue;
-      }
-      attend_one(q_rot.data() + item * D, cache_k + b * cache_row_stride + (h / group) * D,
-                 cache_v + b * cache_row_stride + (h / group) * D, Hkv * D, lo, hi, D, scale, nullptr, 0,
-                 scores.data(), o);
-    }
-  }
+  const float* rotated = q_rot.data();
+  attend_items(B, T, H, Hkv, D, positions, cache_k, cache_v, cache_row_stride, kv_len,
+               1.f / std::sqrt(static_cast<float>(D)), out, [&](int64_t bt, int64_t h, int64_t p) {
+                 const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+                 return Item{rotated + (bt * H + h) * D, h / group, lo, nullptr, 0};
+               });
 }
 
 void relative_attention(const float* q, int64_t q_token_stride, const float* k, const float* v,
@@ -154,33 +176,13 @@ void relative_attention(const float* q, int64_t q_token_stride, const float* k, 
       std::copy(v + bt * v_token_stride, v + bt * v_token_stride + H * D, cache_v + offset);
     }
   }
-  const int64_t items = B * T * H;
-  const bool parallel = items * kv_len * D > kParallelWork;
-  const AttendFn attend_one = attend_fn();
-#pragma omp parallel if (parallel)
-  {
-    std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(kv_len, 1)));
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t bt = item / H, h = item % H, b = bt / T;
-      const int64_t p = positions[bt];
-      const int64_t hi = std::min(p, kv_len - 1);
-      float* o = out + item * D;
-      if (hi < 0) {
-        std::fill(o, o + D, 0.f);
-        continue;
-      }
-      // Key j lies p - j positions back: its bias is row p - j of the table (the last row beyond).
-      const float* bias = nullptr;
-      int64_t bias_stride = 0;
-      if (bias_table != nullptr) {  // the host sizes the table past every position (bias_rows > p)
-        bias = bias_table + p * H + h;
-        bias_stride = -H;
-      }
-      attend_one(q + bt * q_token_stride + h * D, cache_k + b * cache_row_stride + h * D,
-                 cache_v + b * cache_row_stride + h * D, H * D, 0, hi, D, 1.f, bias, bias_stride, scores.data(), o);
-    }
-  }
+  // Key j lies p - j positions back: its bias is row p - j of the table (the host sizes it past
+  // every position).
+  attend_items(B, T, H, H, D, positions, cache_k, cache_v, cache_row_stride, kv_len, 1.f, out,
+               [&](int64_t bt, int64_t h, int64_t p) {
+                 const float* bias = bias_table != nullptr ? bias_table + p * H + h : nullptr;
+                 return Item{q + bt * q_token_stride + h * D, h, 0, bias, -H};
+               });
 }
 
 void rms_norm(const float* x, const float* weight, float* out, int64_t R, int64_t N, float eps) {

@@ -31,6 +31,14 @@ IMPLEMENTATIONS = ("cpp", "triton", "reference")
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def _checker(op: str):
+    """check(cond, message): a ValueError naming the op and the problem unless cond holds."""
+    def check(cond: bool, message: str):
+        if not cond:
+            raise ValueError(f"{op}: {message}")
+    return check
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, head_dim]; cos, sin [B, T, head_dim]. Rotate-half convention of Llama."""
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
@@ -66,10 +74,7 @@ def cached_attention(
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"cached_attention: impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
 
-    def check(cond: bool, message: str):
-        if not cond:
-            raise ValueError(f"cached_attention: {message}")
-
+    check = _checker("cached_attention")
     check(q.dim() == 4, f"q must be [B, T, H, D], got {tuple(q.shape)}")
     B, T, H, D = q.shape
     check(k.dim() == 4 and k.shape[:2] == (B, T) and k.shape[3] == D, f"k must be [{B}, {T}, Hkv, {D}], got "
@@ -189,10 +194,7 @@ def relative_attention(
     if impl not in ("cpp", "reference"):
         raise ValueError(f"relative_attention: impl must be 'cpp' or 'reference', got {impl!r}")
 
-    def check(cond: bool, message: str):
-        if not cond:
-            raise ValueError(f"relative_attention: {message}")
-
+    check = _checker("relative_attention")
     check(q.dim() == 4, f"q must be [B, T, H, D], got {tuple(q.shape)}")
     B, T, H, D = q.shape
     check((k is None) == (v is None), "give both k and v, or neither")
