@@ -178,7 +178,7 @@ def test_the_wait_for_a_probe_runs_on_per_batch_size():
     straggler.accepted, straggler.unanswered_probes = 50.0, 3
     assert controller.choose([straggler]) > 0 and straggler.batch_key == 1
     controller.observe_finished(straggler, 50, 0)
-    assert controller.finished_wait[8] == (3, 40) and controller.finished_wait[1] == (0, 0)
+    assert controller.finished_wait[8, False] == (3, 40) and controller.finished_wait[1, False] == (0, 0)
     with pytest.raises(ValueError, match="batch_key must be"):
         AcceptanceEstimate(batch_key=0)
 
@@ -243,7 +243,7 @@ def test_a_draft_useless_for_earlier_requests_is_never_run_for_a_short_one(monke
     engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma="auto", costs=costs)
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=120, temperature=0))
     controller = engine.gamma_controller
-    start = controller.new_estimate()
+    start = controller.new_estimate(greedy=True)
     assert start.alpha < 0.2 and start.unanswered_probes >= 1
     first_probe = controller.probe_interval(1) << start.unanswered_probes  # rounds at gamma 0 before it
     assert first_probe >= 2 * GammaController.PROBE_EVERY
@@ -261,8 +261,8 @@ def test_a_draft_useless_for_earlier_requests_is_never_run_for_a_short_one(monke
     (probed,) = engine.generate([[7, 8, 9]], SamplingParams(max_new_tokens=4, temperature=0))
     assert calls and probed.stats.drafted == 1
     # A useful draft answers its probes: the next request probes after PROBE_EVERY rounds again.
-    controller.observe_finished(AcceptanceEstimate(unanswered_probes=0), 30, 2)
-    assert controller.new_estimate().unanswered_probes == 0
+    controller.observe_finished(AcceptanceEstimate(unanswered_probes=0, greedy=True), 30, 2)
+    assert controller.new_estimate(greedy=True).unanswered_probes == 0
 
 
 def test_auto_gamma_with_perfect_draft_drafts_many_tokens():
@@ -280,14 +280,29 @@ def test_new_requests_start_from_the_acceptance_of_finished_ones():
     target = tiny_model(V, seed=0, logit_scale=3.0)
     costs = CostModel(0.05, tuple(1.0 + 0.02 * k for k in range(9)))
     engine = Engine(target, drafter=ModelDrafter(target, V, V), gamma="auto", costs=costs)
-    assert engine.gamma_controller.new_estimate().alpha == pytest.approx(0.5)
+    assert engine.gamma_controller.new_estimate(greedy=True).alpha == pytest.approx(0.5)
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=40, temperature=0))
     # A perfect draft: every test accepted, so the next request starts near alpha 1, not 0.5.
-    assert engine.gamma_controller.new_estimate().alpha > 0.9
+    assert engine.gamma_controller.new_estimate(greedy=True).alpha > 0.9
     useless = Engine(target, drafter=ModelDrafter(tiny_model(V, seed=7, num_layers=1, hidden_size=16), V, V),
                      gamma="auto", costs=costs)
     useless.generate([[1, 2, 3]], SamplingParams(max_new_tokens=40, temperature=0))
-    assert useless.gamma_controller.new_estimate().alpha < 0.5
+    assert useless.gamma_controller.new_estimate(greedy=True).alpha < 0.5
+
+
+def test_greedy_and_sampled_requests_keep_their_own_prior_and_wait():
+    """A draft accepted at T=0 and rejected at T=1 (random T5-shaped models: alpha 1.0 against
+    0.17): a prior shared by both kinds, pulled down by the sampled requests, had the greedy ones
+    of a mixed run never draft where drafting paid 1.63x."""
+    controller = GammaController(CostModel(0.001, (0.005,) * 9))
+    sampled = controller.new_estimate(greedy=False)
+    sampled.unanswered_probes, sampled.rounds_without_drafts = 3, 40
+    controller.observe_finished(sampled, 17, 83)
+    controller.observe_finished(controller.new_estimate(greedy=True), 100, 0)
+    greedy = controller.new_estimate(greedy=True)
+    assert greedy.greedy and greedy.alpha > 0.9 and (greedy.unanswered_probes, greedy.rounds_without_drafts) == (0, 0)
+    assert controller.new_estimate().alpha < 0.25 and controller.new_estimate().unanswered_probes == 3
+    assert controller.choose([greedy]) > 0 and controller.choose([controller.new_estimate()]) == 0
 
 
 def test_auto_gamma_measures_costs_when_none_are_given():

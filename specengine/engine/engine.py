@@ -427,7 +427,8 @@ class Engine:
             return False
         if self.gamma_controller is not None:
             for r in joining:
-                r.acceptance = self.gamma_controller.new_estimate(len(self._batch) + len(joining))
+                r.acceptance = self.gamma_controller.new_estimate(len(self._batch) + len(joining),
+                                                                  greedy=r.params.temperature == 0)
         running = len(self._batch)
         try:
             with self.phases("prefill"):

@@ -116,6 +116,7 @@ class AcceptanceEstimate:
     unanswered_probes: int = 0  # probes since this request last drafted (each doubles its wait)
     probing: bool = False       # its last round was a probe
     batch_key: int = 1          # the measured batch size of its last round: the wait it leaves
+    greedy: bool = False        # its request decodes at temperature 0 (its kind's prior and wait)
 
     def __post_init__(self):
         if not 0.0 <= self.prior_alpha <= 1.0:
@@ -171,10 +172,15 @@ class GammaController:
         # eight rows of a batch of 8 that had only probed (two tests each) outweighed a batch-1
         # request's hundred, and the last of them set the next requests' prior (0.39 where alpha
         # was 0.8). Before any request: alpha 0.5, worth one accepted and one rejected test.
-        self.finished = AcceptanceEstimate(accepted=1.0, rejected=1.0, prior_weight=0.0, decay=1.0)
-        # Per measured batch size (see _batch_key): the last finished request's unanswered probes
-        # and rounds since it drafted, where the next requests of that size take up the wait.
-        self.finished_wait: dict[int, tuple[int, int]] = {}
+        # Kept apart for greedy and sampled requests: their alphas differ (the paper's Table 3;
+        # on random T5-shaped models 1.0 greedy against 0.17 at T=1), and one shared prior, pulled
+        # down by sampled requests, kept a mixed run's greedy requests from ever drafting (gamma
+        # "auto" at 1.0x where drafting paid 1.63x, bench/results/t5-2026-12-01.md).
+        self.finished = {greedy: AcceptanceEstimate(accepted=1.0, rejected=1.0, prior_weight=0.0, decay=1.0)
+                         for greedy in (False, True)}
+        # Per (measured batch size (see _batch_key), greedy): the last finished request's
+        # unanswered probes and rounds since it drafted, where the next such requests take up the wait.
+        self.finished_wait: dict[tuple[int, bool], tuple[int, int]] = {}
         # Per (cost model, drafting or not): the smoothed time a round took beyond its modelled
         # draft steps and target call. The fused verify step and the loop's bookkeeping cost the
         # same at any gamma (about 0.7 ms a round at batch 1 on a 2-core CPU), which favours
@@ -187,12 +193,13 @@ class GammaController:
         self._costs_at: dict[int, CostModel] = {}  # see costs_for
         self._key_at: dict[int, int] = {}  # see _batch_key
 
-    def new_estimate(self, batch_size: int = 1) -> AcceptanceEstimate:
-        """The estimate of a request that starts in a batch of this many rows."""
+    def new_estimate(self, batch_size: int = 1, greedy: bool = False) -> AcceptanceEstimate:
+        """The estimate of a request that starts in a batch of this many rows (greedy: at temperature 0)."""
         key = self._batch_key(batch_size)
-        unanswered, rounds = self.finished_wait.get(key, (0, 0))
-        return AcceptanceEstimate(prior_alpha=self.finished.alpha, prior_weight=self.PRIOR_WEIGHT,
-                                  unanswered_probes=unanswered, rounds_without_drafts=rounds, batch_key=key)
+        unanswered, rounds = self.finished_wait.get((key, greedy), (0, 0))
+        return AcceptanceEstimate(prior_alpha=self.finished[greedy].alpha, prior_weight=self.PRIOR_WEIGHT,
+                                  unanswered_probes=unanswered, rounds_without_drafts=rounds, batch_key=key,
+                                  greedy=greedy)
 
     def observe_finished(self, estimate: AcceptanceEstimate, accepted: int, rejections: int):
         """Fold a finished request into the start of the next ones: its accepted drafts and
@@ -207,9 +214,11 @@ class GammaController:
         and the last rows of a batch of 8 drafting when alone, restarted the wait of the batch-8
         requests after them, whose probes then came every ~50 rounds, each feeding the draft model
         what 8 rows had missed (~3% of decoding at batch 8 in the e2e run of 2026-11-30 08:37)."""
-        self.finished.fade(self.FINISHED_KEEP ** (accepted + rejections))
-        self.finished.update(accepted, rejections)
-        self.finished_wait[estimate.batch_key] = (estimate.unanswered_probes, estimate.rounds_without_drafts)
+        finished = self.finished[estimate.greedy]
+        finished.fade(self.FINISHED_KEEP ** (accepted + rejections))
+        finished.update(accepted, rejections)
+        self.finished_wait[estimate.batch_key, estimate.greedy] = (estimate.unanswered_probes,
+                                                                    estimate.rounds_without_drafts)
 
     @property
     def max_gamma(self) -> int:
