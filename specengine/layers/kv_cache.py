@@ -8,6 +8,9 @@ Rows are the requests in flight, in order: requests that join append rows (add_r
 ones are dropped by moving the others to the front (keep_rows). A growable cache reallocates,
 copying the rows in use, when joining rows need more rows or positions than it holds; a fixed
 one (the persistent cache of CUDA graphs, whose addresses a graph keeps) never moves.
+
+EncoderDecoderKVCache adds each row's cross-attention keys and values (T5): written once, when
+the row joins, from its encoder output, and moved, grown and dropped with the row.
 """
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ Philox keys, emits the same tokens.
 """
 from __future__ import annotations
 
+import atexit
+import datetime
 import os
 from dataclasses import dataclass, field
 
@@ -74,6 +76,20 @@ class TensorParallel:
                                       f"rank {differing[0]} has {parts[differing[0]].tolist()}")
 
 
+def _close_process_group():
+    """At exit, after every rank is done, take down the group this module set up. Left to the
+    interpreter's teardown, a gloo rank whose peer had already exited was sometimes aborted
+    ("terminate called without an active exception") after its output was complete."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo":  # a barrier that gives up (NCCL's would wait for a dead peer forever)
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        except RuntimeError:  # a rank that failed: nothing to wait for
+            pass
+    dist.destroy_process_group()
+
+
 def init_tensor_parallel(world_size: int, device: str | torch.device) -> tuple[TensorParallel, torch.device]:
     """The tensor-parallel group of this process and its device. Inside an initialised process
     group that group is used (its size must be world_size); otherwise one is initialised from
@@ -90,6 +106,7 @@ def init_tensor_parallel(world_size: int, device: str | torch.device) -> tuple[T
                 f"torchrun's environment (missing {', '.join(missing)}): run under "
                 f"`torchrun --nproc-per-node {world_size} ...`")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(_close_process_group)
     if dist.get_world_size() != world_size:
         raise TensorParallelError(f"tensor_parallel={world_size} but the process group has "
                                   f"{dist.get_world_size()} ranks")
