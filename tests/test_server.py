@@ -2,19 +2,16 @@
 inside the test: seeded requests streamed concurrently equal offline generation, chat, bad
 parameters answered with 400 while the server keeps serving, dropped clients aborting."""
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from specengine import AsyncEngine, Engine, SamplingParams
-from specengine.server.app import create_app
+from specengine import Engine, SamplingParams
 
 from engine_util import stop_across_tokens
+from server_util import running_server
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -46,21 +43,8 @@ def server(text_pair):
         return done
 
     engine.abort = recording_abort
-    async_engine = AsyncEngine(engine)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(async_engine, MODEL), log_level="warning")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", async_engine, aborted
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with running_server(engine, MODEL) as (url, async_engine):
+        yield url, async_engine, aborted
 
 
 @pytest.fixture

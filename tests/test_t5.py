@@ -373,3 +373,24 @@ def test_t5_greedy_on_cuda_equals_cpu(t5):
     cpu = [r.token_ids for r in Engine.from_pretrained(target, target, gamma=3).generate(prompts, greedy)]
     cuda = Engine.from_pretrained(target, target, gamma=3, device="cuda", dtype="float32")
     assert [r.token_ids for r in cuda.generate(prompts, greedy)] == cpu
+
+
+def test_the_server_answers_with_a_t5_pair(t5):
+    """The OpenAI-compatible server on a T5 target and draft: a completion (the prompt goes to
+    the encoder) streamed and not, equal to offline generation."""
+    import openai
+
+    from server_util import running_server
+
+    target = t5("t5v1.1-gated-gelu-untied")
+    offline = Engine.from_pretrained(target, target, gamma=2)
+    prompts = ["def f(x):", "import os"]
+    want = offline.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert all(r.text for r in want)  # something to compare
+    with running_server(Engine.from_pretrained(target, target, gamma=2, max_batch_size=2), "t5") as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        response = client.completions.create(model="t5", prompt=prompts, max_tokens=8, temperature=0.0)
+        assert [c.text for c in response.choices] == [r.text for r in want]
+        assert response.usage.prompt_tokens == sum(r.stats.prompt_tokens for r in want)
+        stream = client.completions.create(model="t5", prompt=prompts[0], max_tokens=8, temperature=0.0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == want[0].text
