@@ -353,7 +353,7 @@ def test_whole_block_op_checks_its_arguments_and_equals_the_model_block(t5):
     got = t5_decoder_block(x.clone(), weights, *args)
     model.whole_block_kernels = False  # the same block op by op
     from specengine.models.t5 import DecoderStep
-    step = DecoderStep(positions, 7, source_last, table, True, None, None)
+    step = DecoderStep(positions, 7, source_last, True, table, None)
     torch.testing.assert_close(got, model.decoder[0](x.clone(), step, cache), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="qkv must be a contiguous torch.bfloat16"):
         t5_decoder_block(x.clone(), weights._replace(qkv=weights.qkv.float()), *args)

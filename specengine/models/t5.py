@@ -133,18 +133,13 @@ class DecoderBlock(nn.Module):
         cache_k, cache_v = cache.layer(self.index)
         cross = self.cross
         cross_k, cross_v = cache.cross_layer(self.index)
-        if step.cpu_kernels:  # the C++ op also writes the new tokens' K/V at their positions
-            x = x + self.attn.o(relative_attention_cpp(q, k, v, step.positions, cache_k, cache_v, step.kv_len,
-                                                       step.bias_table))
-            q = cross.q(cross.norm(x, True)).view(B, T, cross.num_heads, cross.d_kv)
-            return self.ff(x + cross.o(relative_attention_cpp(q, None, None, step.source_last, cross_k, cross_v,
-                                                               cache.source_capacity, None)), True)
-        x = x + self.attn.o(relative_attention_reference(q, k, v, step.positions, cache_k, cache_v, step.kv_len,
-                                                         step.self_bias))
-        q = cross.q(cross.norm(x, False)).view(B, T, cross.num_heads, cross.d_kv)
-        x = x + cross.o(relative_attention_reference(q, None, None, step.source_last, cross_k, cross_v,
-                                                     cache.source_capacity, step.cross_bias))
-        return self.ff(x, False)
+        # Either attention writes the new tokens' K/V at their positions before it reads.
+        attend = relative_attention_cpp if step.cpu_kernels else relative_attention_reference
+        x = x + self.attn.o(attend(q, k, v, step.positions, cache_k, cache_v, step.kv_len, step.self_bias))
+        q = cross.q(cross.norm(x, step.cpu_kernels)).view(B, T, cross.num_heads, cross.d_kv)
+        x = x + cross.o(attend(q, None, None, step.source_last, cross_k, cross_v, cache.source_capacity,
+                               step.cross_bias))
+        return self.ff(x, step.cpu_kernels)
 
 
 @dataclass
@@ -154,10 +149,12 @@ class DecoderStep:
     positions: torch.Tensor    # [B, T] int64, each new token's position
     kv_len: int                # self-attention keys a query may see (max position + 1, within capacity)
     source_last: torch.Tensor  # [B, T] int64, each row's last encoder token (the cross-attention's "position")
-    bias_table: torch.Tensor   # [n > max position, H]: the decoder's bias of a key d positions back
-    cpu_kernels: bool          # the C++ ops (float32 on a CPU); else the torch path and its biases:
-    self_bias: torch.Tensor | None   # [B, H, T, kv_len]
-    cross_bias: torch.Tensor | None  # [B, 1, T, source capacity]
+    cpu_kernels: bool          # the C++ ops (float32 on a CPU), else the torch path
+    # The attentions' bias arguments. C++: the decoder's table [n > max position, H] of the bias
+    # of a key d positions back, and None. Torch: the additive biases from ops.attention's
+    # relative_bias, [B, H, T, kv_len] and [B, 1, T, source capacity].
+    self_bias: torch.Tensor
+    cross_bias: torch.Tensor | None
 
 
 class T5ForConditionalGeneration(nn.Module):
@@ -177,7 +174,7 @@ class T5ForConditionalGeneration(nn.Module):
         self.encoder_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
         self.decoder = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_decoder_layers))
         self.decoder_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
-        # Its own weight until a checkpoint without lm_head.weight ties it (tie_head).
+        # Its own weight until a checkpoint without lm_head.weight ties it (finish_load).
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._distance_bias: tuple[tuple, torch.Tensor] | None = None  # see decoder_distance_bias
         # The C++ ops for float32 on a CPU (as LlamaForCausalLM.cpu_kernels): RMSNorm and the
@@ -306,10 +303,6 @@ class T5ForConditionalGeneration(nn.Module):
         cpu_kernels = self.cpu_kernels_apply(x)
         table = self.decoder_distance_bias(cache.capacity + T)
         source_last = (cache.source_lengths - 1)[:, None].expand(B, T).contiguous()
-        self_bias = cross_bias = None
-        if not cpu_kernels:
-            self_bias = relative_bias(positions, kv_len, table, self.dtype)
-            cross_bias = relative_bias(source_last, cache.source_capacity, None, self.dtype)
         blocks = self.whole_block_weights() if cpu_kernels and self.whole_block_kernels and T < GEMM_ROWS else None
         if blocks is not None:  # (a prefill-sized call takes the per-op path, whose products become GEMMs)
             c = self.config
@@ -318,7 +311,12 @@ class T5ForConditionalGeneration(nn.Module):
                 t5_decoder_block_cpp(x, weights, c.num_heads, c.d_kv, c.activation, c.gated, c.layer_norm_epsilon,
                                      positions, *cache.layer(i), kv_len, table, source_last, cross_k, cross_v)
             return self.decoder_norm(x, cpu_kernels)
-        step = DecoderStep(positions, kv_len, source_last, table, cpu_kernels, self_bias, cross_bias)
+        if cpu_kernels:
+            step = DecoderStep(positions, kv_len, source_last, True, table, None)
+        else:
+            step = DecoderStep(positions, kv_len, source_last, False,
+                               relative_bias(positions, kv_len, table, self.dtype),
+                               relative_bias(source_last, cache.source_capacity, None, self.dtype))
         for block in self.decoder:
             x = block(x, step, cache)
         return self.decoder_norm(x, cpu_kernels)
