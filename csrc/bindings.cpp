@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 #include "decoder.h"
 #include "layers.h"
@@ -179,6 +181,22 @@ void t5_decoder_block_py(uintptr_t x, uintptr_t self_norm, uintptr_t qkv, uintpt
 
 }  // namespace
 
+void set_cpu_isa_limit_py(const std::string& isa) {
+  static const std::pair<const char*, specengine::CpuIsa> names[] = {
+      {"portable", specengine::CpuIsa::portable}, {"avx2", specengine::CpuIsa::avx2},
+      {"avx512", specengine::CpuIsa::avx512}};
+  for (const auto& [name, level] : names)
+    if (isa == name) {
+      specengine::isa_limit() = static_cast<int>(level);
+      return;
+    }
+  throw std::invalid_argument("cpu isa must be 'avx512', 'avx2' or 'portable', not '" + isa + "'");
+}
+
+std::string cpu_isa_py() {
+  return specengine::use_avx512() ? "avx512" : specengine::use_avx2() ? "avx2" : "portable";
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "specengine C++ CPU ops";
   m.def("ngram_propose", &ngram_propose_py, py::arg("tokens"), py::arg("min_n"), py::arg("max_n"),
@@ -229,9 +247,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cache_row_stride"), py::arg("kv_len"), py::arg("cross_row_stride"), py::arg("source_capacity"));
   m.def("rms_norm", &rms_norm_py, "Llama RMSNorm of float32 rows (use specengine.ops.norm).",
         py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("R"), py::arg("N"), py::arg("eps"));
-  m.def("set_portable_kernels", [](bool on) { specengine::force_portable() = on; }, py::arg("on"),
-        "Run the portable C++ loops even where the CPU has AVX2/FMA (tests of those paths).");
-  m.def("uses_avx2", &specengine::use_avx2, "Whether the C++ ops take their AVX2/FMA paths now.");
+  m.def("set_cpu_isa_limit", &set_cpu_isa_limit_py, py::arg("isa"),
+        "The widest instruction set the C++ ops may use: 'avx512' (the default), 'avx2' or 'portable' "
+        "(tests of the narrower paths on a CPU that has the wider ones).");
+  m.def("cpu_isa", &cpu_isa_py, "The widest instruction set the C++ ops take now: avx512, avx2 or portable.");
   m.def("philox_uniforms", &philox_uniforms_py, py::arg("seeds"), py::arg("positions"),
         py::arg("stream"),
         "Uniforms [B, K] in [0, 1) keyed by (seeds[b], positions[b, k], stream), Philox4x32-10.");

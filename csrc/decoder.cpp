@@ -8,20 +8,51 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_features.h"
 #include "layers.h"
 #include "linear.h"
+#include "vector_math.h"
 
 namespace specengine {
 namespace {
 
 // out = silu(gate) * up for rows of [gate | up] (each `intermediate` wide).
-void silu_mul(const float* gate_up, float* out, int64_t R, int64_t intermediate) {
+void silu_mul_portable(const float* gate_up, float* out, int64_t R, int64_t intermediate) {
   for (int64_t r = 0; r < R; ++r) {
     const float* gate = gate_up + r * 2 * intermediate;
     const float* up = gate + intermediate;
     float* o = out + r * intermediate;
     for (int64_t i = 0; i < intermediate; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
   }
+}
+
+#ifdef SPECENGINE_X86
+// sigmoid(g) from e = exp(-|g|), whose argument is never positive: 1 / (1 + e) for g >= 0 and
+// e / (1 + e) below. A scalar exp per entry was ~1 ms of a 3-token verification of SmolLM2.
+SPECENGINE_AVX2 void silu_mul_avx2(const float* gate_up, float* out, int64_t R, int64_t intermediate) {
+  const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* gate = gate_up + r * 2 * intermediate;
+    const float* up = gate + intermediate;
+    float* o = out + r * intermediate;
+    int64_t i = 0;
+    for (; i + 8 <= intermediate; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 e = exp_nonpositive(_mm256_or_ps(g, sign));
+      const __m256 numerator = _mm256_blendv_ps(one, e, g);  // e where g's sign bit is set
+      const __m256 sigmoid = _mm256_div_ps(numerator, _mm256_add_ps(one, e));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < intermediate; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  }
+}
+#endif
+
+void silu_mul(const float* gate_up, float* out, int64_t R, int64_t intermediate) {
+#ifdef SPECENGINE_X86
+  if (use_avx2()) return silu_mul_avx2(gate_up, out, R, intermediate);
+#endif
+  silu_mul_portable(gate_up, out, R, intermediate);
 }
 
 float activate(float x, T5Activation activation) {

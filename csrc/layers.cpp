@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "vector_math.h"
 
 namespace specengine {
 namespace {
@@ -35,24 +36,34 @@ __attribute__((always_inline)) inline float dot(const float* a, const float* b, 
   return acc;
 }
 
+// scores[lo..hi] = exp(scores[j] - m) in place; returns their sum. The exps are most of a
+// query's work over a long cache once its dot products are vectorised.
+using ExpScoresFn = float (*)(float* scores, int64_t lo, int64_t hi, float m);
+
+float exp_scores_portable(float* scores, int64_t lo, int64_t hi, float m) {
+  float total = 0.f;
+  for (int64_t j = lo; j <= hi; ++j) {
+    scores[j] = std::exp(scores[j] - m);
+    total += scores[j];
+  }
+  return total;
+}
+
 // One query's attention over keys lo..hi (inclusive) of its row: o [D] = softmax(q . k_j * scale
 // + bias_j) v_j, where bias_j = bias[j * bias_stride] (no bias when bias is null).
 // Inlined into a portable and an AVX2/FMA caller below, so the same loops are compiled for both
 // (the build itself targets baseline x86-64). scores has room for hi + 1 entries.
 __attribute__((always_inline)) inline void attend(const float* q, const float* keys, const float* values,
                                                   int64_t key_stride, int64_t lo, int64_t hi, int64_t D, float scale,
-                                                  const float* bias, int64_t bias_stride, float* scores, float* o) {
+                                                  const float* bias, int64_t bias_stride, float* scores, float* o,
+                                                  ExpScoresFn exp_scores) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t j = lo; j <= hi; ++j) {
     scores[j] = dot(q, keys + j * key_stride, D) * scale;
     if (bias != nullptr) scores[j] += bias[j * bias_stride];
     m = std::max(m, scores[j]);
   }
-  float total = 0.f;
-  for (int64_t j = lo; j <= hi; ++j) {
-    scores[j] = std::exp(scores[j] - m);
-    total += scores[j];
-  }
+  const float total = exp_scores(scores, lo, hi, m);
   std::fill(o, o + D, 0.f);
   for (int64_t j = lo; j <= hi; ++j) {
     const float e = scores[j];
@@ -68,14 +79,26 @@ __attribute__((always_inline)) inline void attend(const float* q, const float* k
 void attend_portable(const float* q, const float* keys, const float* values, int64_t key_stride, int64_t lo,
                      int64_t hi, int64_t D, float scale, const float* bias, int64_t bias_stride, float* scores,
                      float* o) {
-  attend(q, keys, values, key_stride, lo, hi, D, scale, bias, bias_stride, scores, o);
+  attend(q, keys, values, key_stride, lo, hi, D, scale, bias, bias_stride, scores, o, exp_scores_portable);
 }
 
 #ifdef SPECENGINE_X86
+SPECENGINE_AVX2 float exp_scores_avx2(float* scores, int64_t lo, int64_t hi, float m) {
+  const __m256 max = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = lo;
+  for (; j + 8 <= hi + 1; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), max));
+    _mm256_storeu_ps(scores + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return horizontal_sum(sum) + exp_scores_portable(scores, j, hi, m);
+}
+
 SPECENGINE_AVX2 void attend_avx2(const float* q, const float* keys, const float* values, int64_t key_stride,
                                  int64_t lo, int64_t hi, int64_t D, float scale, const float* bias,
                                  int64_t bias_stride, float* scores, float* o) {
-  attend(q, keys, values, key_stride, lo, hi, D, scale, bias, bias_stride, scores, o);
+  attend(q, keys, values, key_stride, lo, hi, D, scale, bias, bias_stride, scores, o, exp_scores_avx2);
 }
 #endif
 

@@ -3,9 +3,9 @@
 // Work is split over output columns: each thread owns a slice of the weight matrix and
 // streams it once, computing every row of x against a few weight rows at a time while
 // those rows sit in L1. x (at most a few rows of a few KB) stays in L2 for the whole call.
-// On the 2-core AVX2 machine this was written on, one row is bound by memory bandwidth and
-// five or more rows by the FMA units (about 23 GFLOP/s per core, measured by a bare FMA loop
-// at 19.5).
+// On the 2-core AVX2 machine this was first written on, one row is bound by memory bandwidth
+// and five or more rows by the FMA units (about 23 GFLOP/s per core, measured by a bare FMA loop
+// at 19.5). CPUs with AVX-512 take 512-bit tiles of the same loop order.
 #include "linear.h"
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "vector_math.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -42,13 +43,6 @@ void columns_generic(const float* x, const uint16_t* w, const float* bias, float
 }
 
 #ifdef SPECENGINE_X86
-SPECENGINE_AVX2 inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Sixteen bfloat16 weights are one 256-bit load. Each 32-bit lane holds an even-indexed
 // weight in its low half and the next odd one in its high half, so a shift and a mask give
 // both as float32 without a shuffle. x is stored de-interleaved to match (see
@@ -116,17 +110,79 @@ SPECENGINE_AVX2 void columns_avx2(const float* x, const float* x_split, const ui
   if (n < n_end) column_group<1>(x, x_split, K16, w, bias, out, R, K, N, n);
 }
 
-// x [R, K] -> [R, K16]: per block of 16, the 8 even-indexed entries, then the 8 odd ones.
-std::vector<float> deinterleave_x(const float* x, int64_t R, int64_t K) {
-  const int64_t K16 = K & ~int64_t{15};
-  std::vector<float> split(static_cast<size_t>(R * K16));
+// x [R, K] -> [R, K & ~(block - 1)]: per block, its even-indexed entries, then its odd ones
+// (block 16 for the AVX2 tiles, 32 for the AVX-512 ones).
+std::vector<float> deinterleave_x(const float* x, int64_t R, int64_t K, int64_t block) {
+  const int64_t whole = K & ~(block - 1), half = block / 2;
+  std::vector<float> split(static_cast<size_t>(R * whole));
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t k = 0; k < K16; k += 16)
-      for (int i = 0; i < 8; ++i) {
-        split[r * K16 + k + i] = x[r * K + k + 2 * i];
-        split[r * K16 + k + 8 + i] = x[r * K + k + 2 * i + 1];
+    for (int64_t k = 0; k < whole; k += block)
+      for (int64_t i = 0; i < half; ++i) {
+        split[r * whole + k + i] = x[r * K + k + 2 * i];
+        split[r * whole + k + half + i] = x[r * K + k + 2 * i + 1];
       }
   return split;
+}
+
+// The AVX-512 form of tile: 32 bfloat16 weights per 512-bit load, x de-interleaved per block
+// of 32. Twice the lanes per FMA matter from two rows on (a verification of gamma + 1 tokens),
+// where the AVX2 tiles made the product FMA-bound on top of the weight stream.
+template <int ROWS, int COLS>
+SPECENGINE_AVX512 void tile512(const float* x, const float* x_split, int64_t K32, const uint16_t* w,
+                               const float* bias, float* out, int64_t K, int64_t N, int64_t r0, int64_t n0) {
+  __m512 acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const uint16_t* next = w + (n0 + COLS) * K;
+  const bool prefetch = n0 + 2 * COLS <= N;
+  for (int64_t k = 0; k < K32; k += 32) {
+    if (prefetch)  // one 64-byte line of each of the next tile's weight rows per step
+      for (int j = 0; j < COLS; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
+    __m512 w_even[COLS], w_odd[COLS];
+    for (int j = 0; j < COLS; ++j) {
+      __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(w + (n0 + j) * K + k));
+      w_even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      w_odd[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
+    }
+    for (int i = 0; i < ROWS; ++i) {
+      __m512 x_even = _mm512_loadu_ps(x_split + (r0 + i) * K32 + k);
+      __m512 x_odd = _mm512_loadu_ps(x_split + (r0 + i) * K32 + k + 16);
+      for (int j = 0; j < COLS; ++j) {
+        acc[i][j] = _mm512_fmadd_ps(x_even, w_even[j], acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(x_odd, w_odd[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    for (int j = 0; j < COLS; ++j) {
+      float sum = _mm512_reduce_add_ps(acc[i][j]);
+      for (int64_t k = K32; k < K; ++k) sum += x[(r0 + i) * K + k] * bf16_to_float(w[(n0 + j) * K + k]);
+      out[(r0 + i) * N + n0 + j] = sum + (bias ? bias[n0 + j] : 0.f);
+    }
+  }
+}
+
+template <int COLS>
+SPECENGINE_AVX512 void column_group512(const float* x, const float* x_split, int64_t K32, const uint16_t* w,
+                                       const float* bias, float* out, int64_t R, int64_t K, int64_t N, int64_t n0) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) tile512<4, COLS>(x, x_split, K32, w, bias, out, K, N, r, n0);
+  switch (R - r) {
+    case 3: tile512<3, COLS>(x, x_split, K32, w, bias, out, K, N, r, n0); break;
+    case 2: tile512<2, COLS>(x, x_split, K32, w, bias, out, K, N, r, n0); break;
+    case 1: tile512<1, COLS>(x, x_split, K32, w, bias, out, K, N, r, n0); break;
+    default: break;
+  }
+}
+
+SPECENGINE_AVX512 void columns_avx512(const float* x, const float* x_split, const uint16_t* w, const float* bias,
+                                      float* out, int64_t R, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  const int64_t K32 = K & ~int64_t{31};
+  int64_t n = n_begin;
+  for (; n + 4 <= n_end; n += 4) column_group512<4>(x, x_split, K32, w, bias, out, R, K, N, n);
+  for (; n + 2 <= n_end; n += 2) column_group512<2>(x, x_split, K32, w, bias, out, R, K, N, n);
+  if (n < n_end) column_group512<1>(x, x_split, K32, w, bias, out, R, K, N, n);
 }
 
 #endif
@@ -136,8 +192,9 @@ std::vector<float> deinterleave_x(const float* x, int64_t R, int64_t K) {
 void linear_bf16_weight(const float* x, const uint16_t* w, const float* bias, float* out, int64_t R, int64_t K,
                         int64_t N) {
 #ifdef SPECENGINE_X86
-  const bool avx2 = use_avx2();
-  const std::vector<float> x_split = avx2 ? deinterleave_x(x, R, K) : std::vector<float>();
+  const bool avx512 = use_avx512(), avx2 = !avx512 && use_avx2();
+  const std::vector<float> x_split =
+      avx512 ? deinterleave_x(x, R, K, 32) : avx2 ? deinterleave_x(x, R, K, 16) : std::vector<float>();
 #endif
   // Column pairs are the unit of work, so every thread's slice starts on an even column.
   const int64_t pairs = (N + 1) / 2;
@@ -153,7 +210,9 @@ void linear_bf16_weight(const float* x, const uint16_t* w, const float* bias, fl
     const int64_t n_begin = std::min(N, 2 * (pairs * id / threads));
     const int64_t n_end = std::min(N, 2 * (pairs * (id + 1) / threads));
 #ifdef SPECENGINE_X86
-    if (avx2) {
+    if (avx512) {
+      columns_avx512(x, x_split.data(), w, bias, out, R, K, N, n_begin, n_end);
+    } else if (avx2) {
       columns_avx2(x, x_split.data(), w, bias, out, R, K, N, n_begin, n_end);
     } else {
       columns_generic(x, w, bias, out, R, K, N, n_begin, n_end);

@@ -74,12 +74,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @contextmanager
-def portable_cpu_kernels(on: bool = True):
-    """Run specengine._C's portable loops instead of its AVX2/FMA paths (CPUs without them)."""
+def cpu_isa_limit(isa: str):
+    """Run specengine._C's ops with at most this instruction set ('avx512', 'avx2', 'portable'),
+    as on CPUs without the wider ones; a test of a path this CPU lacks is skipped."""
     from specengine import _C
 
-    _C.set_portable_kernels(on)
+    _C.set_cpu_isa_limit(isa)
     try:
+        if _C.cpu_isa() != isa:
+            pytest.skip(f"this CPU has no {isa}")
         yield
     finally:
-        _C.set_portable_kernels(False)
+        _C.set_cpu_isa_limit("avx512")
+
+
+def portable_cpu_kernels(on: bool = True):
+    """The portable loops of CPUs without AVX2/FMA (on), or the widest paths this CPU has."""
+    from specengine import _C
+
+    return cpu_isa_limit("portable") if on else cpu_isa_limit(_C.cpu_isa())

@@ -11,7 +11,7 @@ from specengine.ops.attention import attention_mask, cached_attention
 from specengine.ops.decoder_layer import decoder_layer
 from specengine.ops.norm import rms_norm
 
-from conftest import ARCH_CASES, portable_cpu_kernels
+from conftest import ARCH_CASES, cpu_isa_limit, portable_cpu_kernels
 
 
 def attention_case(B, T, H, Hkv, D, capacity, starts, seed=0):
@@ -161,10 +161,10 @@ def layer_case(checkpoint, case: str, B: int, T: int, starts: list[int], capacit
     return model, layer, x, positions, cos, sin, cache, kv_len
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 @pytest.mark.parametrize("B,T,starts", [(1, 1, [9]), (3, 5, [0, 11, 4]), (2, 9, [6, 1])])
 @pytest.mark.parametrize("case", list(ARCH_CASES))
-def test_decoder_layer_matches_the_torch_ops(case, B, T, starts, portable, checkpoint):
+def test_decoder_layer_matches_the_torch_ops(case, B, T, starts, isa, checkpoint):
     """The whole-layer op against the layer's torch path on the same bfloat16-stored weights:
     the output and both cache writes (rows in use only; the spare row is untouched)."""
     model, layer, x, positions, cos, sin, cache, kv_len = layer_case(checkpoint, case, B, T, starts)
@@ -177,7 +177,7 @@ def test_decoder_layer_matches_the_torch_ops(case, B, T, starts, portable, check
         after_attention, mlp_out = layer(x.clone(), None, step, want_cache)
         want = after_attention + mlp_out
         cache_k, cache_v = cache.layer(1)
-        with portable_cpu_kernels(portable):
+        with cpu_isa_limit(isa):
             got = decoder_layer(x.clone(), layer.weights(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                 layer.input_layernorm.eps, cos, sin, positions, cache_k, cache_v, kv_len,
                                 attn.sliding_window)

@@ -5,13 +5,14 @@ import torch
 from specengine.models import load_model
 from specengine.ops.linear import linear_bf16_weight
 
-from conftest import ARCH_CASES, portable_cpu_kernels
+from conftest import ARCH_CASES, cpu_isa_limit
 
-IMPLS = ["cpp", "cpp-portable"]  # the AVX2/FMA path, and the plain loops of CPUs without it
+# The C++ op's AVX-512 and AVX2/FMA tiles, and the plain loops of CPUs without either.
+IMPLS = ["cpp-avx512", "cpp-avx2", "cpp-portable"]
 
 
 def product(x, weight, bias, impl):
-    with portable_cpu_kernels(impl == "cpp-portable"):
+    with cpu_isa_limit(impl.removeprefix("cpp-")):
         return linear_bf16_weight(x, weight, bias, impl="cpp")
 
 
@@ -25,7 +26,7 @@ def operands(R, K, N, bias, seed=0):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("R", [1, 2, 3, 4, 5, 6, 7, 9, 33])
-@pytest.mark.parametrize("K,N", [(1, 1), (15, 3), (16, 2), (17, 5), (192, 97), (513, 64), (64, 8193)])
+@pytest.mark.parametrize("K,N", [(1, 1), (15, 3), (16, 2), (17, 5), (33, 7), (48, 9), (192, 97), (513, 64), (64, 8193)])
 def test_matches_the_float32_reference(impl, R, K, N):
     x, weight, bias = operands(R, K, N, bias=N % 2 == 1)
     want = linear_bf16_weight(x, weight, bias, impl="reference")
@@ -41,7 +42,7 @@ def test_exact_on_integer_operands(impl):
     """Small integers make every product and partial sum exact in float32, in any order:
     a wrong lane, a dropped tail element or a misplaced bias shows up as an inequality."""
     g = torch.Generator().manual_seed(1)
-    for R, K, N in [(1, 37, 11), (5, 48, 7), (9, 100, 13), (4, 16, 4)]:
+    for R, K, N in [(1, 37, 11), (5, 48, 7), (9, 100, 13), (4, 16, 4), (3, 64, 6), (2, 96, 9)]:
         x = torch.randint(-8, 9, (R, K), generator=g).float()
         weight = torch.randint(-8, 9, (N, K), generator=g).bfloat16()
         bias = torch.randint(-8, 9, (N,), generator=g).float()
@@ -72,6 +73,18 @@ def test_bad_arguments_are_named(bad, message):
     args.update(bad)
     with pytest.raises(ValueError, match=message):
         linear_bf16_weight(**args)
+
+
+def test_the_instruction_set_limit_is_checked_and_restored():
+    from specengine import _C
+
+    widest = _C.cpu_isa()
+    with pytest.raises(ValueError, match="cpu isa must be 'avx512', 'avx2' or 'portable', not 'sse4'"):
+        _C.set_cpu_isa_limit("sse4")
+    assert _C.cpu_isa() == widest
+    with cpu_isa_limit("portable"):
+        assert _C.cpu_isa() == "portable"
+    assert _C.cpu_isa() == widest
 
 
 @pytest.mark.parametrize("case", list(ARCH_CASES))

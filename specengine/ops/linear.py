@@ -4,8 +4,8 @@ A decode step streams every weight once; on a CPU that is most of its time. A bf
 checkpoint kept in bfloat16 is half the bytes of an upcast float32 copy, and widening
 bfloat16 to float32 is exact, so the products equal float32 ones up to summation order.
 
-  "cpp"        specengine._C.linear_bf16_weight (AVX2/FMA where the CPU has it, else a plain
-               C++ loop; OpenMP over columns)
+  "cpp"        specengine._C.linear_bf16_weight (AVX-512 or AVX2/FMA where the CPU has it,
+               else a plain C++ loop; OpenMP over columns)
   "reference"  F.linear on the weight upcast to float32 (the oracle)
   "auto"       cpp
 """
