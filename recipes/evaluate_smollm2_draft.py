@@ -43,6 +43,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--gammas", type=int, nargs="+", default=list(range(1, 9)))
     parser.add_argument("--sample-tokens", type=int, default=160, help="new tokens of each sample answer")
+    parser.add_argument("--label", default="smollm2-draft",
+                        help="names bench/results/<label>-<date>.json and the held-out log the card cites")
     args = parser.parse_args()
     target_dir = default_target()
     base = Engine.from_pretrained(target_dir)
@@ -97,13 +99,13 @@ def main():
         samples[text] = sampler.generate([prompt], SamplingParams(max_new_tokens=args.sample_tokens,
                                                                   temperature=0))[0].text
     training = json.loads((args.draft / "training.json").read_text())
-    report = dict(date=datetime.date.today().isoformat(), machine=machine(), torch=torch.__version__, prompts=len(prompts),
-                  new_tokens=args.new_tokens, results=results, target_step_ms=round(target_step * 1e3, 3),
+    report = dict(label=args.label, date=datetime.date.today().isoformat(), machine=machine(), torch=torch.__version__,
+                  prompts=len(prompts), new_tokens=args.new_tokens, results=results, target_step_ms=round(target_step * 1e3, 3),
                   draft_step_ms=round(draft_step * 1e3, 3), c=round(draft_step / target_step, 4),
                   draft_parameters=sum(p.numel() for p in draft.parameters()),
                   draft_bytes=sum(p.stat().st_size for p in args.draft.iterdir() if p.name == "model.safetensors"),
                   training=training, samples=samples)
-    out = ROOT / "bench" / "results" / f"smollm2-draft-{report['date']}.json"
+    out = ROOT / "bench" / "results" / f"{args.label}-{report['date']}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     (args.draft / "README.md").write_text(model_card(report))
     print(f"c = {report['c']}; wrote {out} and {args.draft / 'README.md'}")
@@ -147,7 +149,8 @@ sampling keeps the output exactly SmolLM2's.
 - Prompts: chat requests (write, explain, test or improve a function) and code prefixes built from
   the training side of the standard library's split by file (`specengine.corpus`); the held-out
   side is never used.
-- Teacher: SmolLM2 answered {t['teacher_prompts']:,} prompts (half greedy, half sampled at T=1) in
+- Teacher: SmolLM2 answered {t['teacher_prompts']:,} prompts ({t.get('prompt_rounds', 1)} round(s) of requests drawn
+  from the files; half greedy, half sampled at T=1) in
   {t['teach_minutes']:.0f} minutes: {t['teacher_tokens']:,} tokens, {t['teacher_generated_tokens']:,} of them
   generated; its top-{t['top_k']} log-probabilities at every position were kept.
 - Student: embedding initialised from a PCA of SmolLM2's; trained {t['train_minutes']:.0f} minutes
@@ -162,7 +165,7 @@ sampling keeps the output exactly SmolLM2's.
   cross-entropy {t['heldout_loss_greedy']} nats/token on greedy answers ({t['heldout_loss_sampled']} on sampled
   ones); the draft's argmax is the teacher's on {t['heldout_top1_agreement_greedy']:.1%} of greedy positions and
   {t['heldout_top1_agreement_sampled']:.1%} of sampled ones. Against training tokens seen:
-  `bench/results/smollm2-draft-heldout-{t['date']}.jsonl`.
+  `bench/results/{r['label']}-heldout-{t['date']}.jsonl`.
 
 ## Measured ({r['date']}, {r['machine']}, torch {r['torch']}, `recipes/evaluate_smollm2_draft.py`)
 

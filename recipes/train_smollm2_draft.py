@@ -45,13 +45,26 @@ DRAFT_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, 
 
 # ---- 1. prompts ------------------------------------------------------------------------------
 
-def split_prompts(tokenizer, seed: int, max_prompt: int):
-    out = {}
-    for split, held_out in (("train", False), ("heldout", True)):
-        prompts = code_prompts(held_out, seed)
+def split_prompts(tokenizer, seed: int, max_prompt: int, rounds: int, saved: dict | None = None) -> dict:
+    """Train and held-out prompts. The train side grows in rounds: round r draws the requests
+    again with seed + r (other functions of a file, other kinds of request), keeping only prompts
+    not already in the list, so a teacher that has answered every prompt gets new ones while the
+    answered ones keep their places (a resumed run reads the same shards)."""
+    def encoded(held_out: bool, round_seed: int):
+        prompts = code_prompts(held_out, round_seed)
         for p in prompts:
             p["ids"] = encode_prompt(tokenizer, p)
-        out[split] = [p for p in prompts if 4 <= len(p["ids"]) <= max_prompt]
+        return [p for p in prompts if 4 <= len(p["ids"]) <= max_prompt]
+
+    out = saved or dict(train=encoded(False, seed), heldout=encoded(True, seed), rounds=1)
+    out.setdefault("rounds", 1)
+    seen = {tuple(p["ids"]) for p in out["train"]}
+    while out["rounds"] < rounds:
+        for p in encoded(False, seed + out["rounds"]):
+            if tuple(p["ids"]) not in seen:
+                seen.add(tuple(p["ids"]))
+                out["train"].append(p)
+        out["rounds"] += 1
     return out
 
 
@@ -368,6 +381,8 @@ def main():
     parser.add_argument("--target", type=Path, help="the target's folder (default: specengine.default_target())")
     parser.add_argument("--teach-minutes", type=float, default=55)
     parser.add_argument("--train-minutes", type=float, default=65)
+    parser.add_argument("--prompt-rounds", type=int, default=1,
+                        help="rounds of train prompts (each round draws the requests again with a new seed)")
     parser.add_argument("--teach-batch", type=int, default=32)
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--max-prompt", type=int, default=384)
@@ -389,9 +404,10 @@ def main():
     args.work.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(target_dir)
     prompts_path = args.work / "prompts.json"
-    if not prompts_path.is_file():
-        prompts_path.write_text(json.dumps(split_prompts(tokenizer, args.seed, args.max_prompt)))
-    prompts = json.loads(prompts_path.read_text())
+    saved = json.loads(prompts_path.read_text()) if prompts_path.is_file() else None
+    prompts = split_prompts(tokenizer, args.seed, args.max_prompt, args.prompt_rounds, saved)
+    if prompts != saved:
+        prompts_path.write_text(json.dumps(prompts))
     print(f"prompts: {len(prompts['train'])} train, {len(prompts['heldout'])} held out")
     target_cfg = json.loads((target_dir / "config.json").read_text())
     eos = {target_cfg["eos_token_id"], tokenizer.eos_token_id}
@@ -404,7 +420,7 @@ def main():
                                args.kd_weight, args.prompt_weight)
     teach = json.loads((args.work / "teach_state.json").read_text())
     meta = dict(recipe="recipes/train_smollm2_draft.py", target=str(target_dir.name), device=str(device),
-                threads=torch.get_num_threads(), teacher_prompts=teach["next_prompt"],
+                threads=torch.get_num_threads(), prompt_rounds=prompts["rounds"], teacher_prompts=teach["next_prompt"],
                 teacher_tokens=teach["tokens"], teacher_generated_tokens=teach["generated"],
                 teach_minutes=teach["elapsed"] / 60, train_minutes=state["elapsed"] / 60,
                 train_steps=state["step"], train_tokens=state["tokens"], shape=DRAFT_SHAPE, top_k=TOP_K,
