@@ -94,9 +94,10 @@ def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, p
         # Decoder sequences of 20 tokens; rows go ahead unequally, and row 1 rolls back 3 drafts.
         dec = torch.tensor([[0] + [(7 * b + 3 * t) % 290 + 3 for t in range(19)] for b in range(3)])
         ref = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
-        # float32 roundings, grown through random weights of 2x transformers' scale (a wrong bias
-        # bucket, mask or cache entry moves logits by a tenth of their range or more)
-        atol = 1e-4 * ref.abs().max().item()
+        # float32 roundings in each C++ path's summation order (portable, AVX2, AVX-512), grown
+        # through random weights of 2x transformers' scale (a wrong bias bucket, mask or cache
+        # entry moves logits by a tenth of their range or more)
+        atol = 2e-4 * ref.abs().max().item()
         cache = ours.new_cache(3, 24)
         ours.encode(cache, SOURCES)
         # Ragged prefill: rows hold 4, 2 and 7 tokens.
