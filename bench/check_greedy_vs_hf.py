@@ -4,7 +4,7 @@
 
 Held-out chat requests, batch 1: Hugging Face `generate` on the converted target (float32, no EOS:
 it neither stops nor forbids it), specengine speculative (gamma 3) with ignore_eos, and the eager
-PyTorch loop. Writes bench/results/greedy-vs-hf-<date>.json.
+PyTorch loop. Writes bench/results/<label>-<date>.json (label greedy-vs-hf unless given).
 """
 import argparse
 import datetime
@@ -22,6 +22,7 @@ from common import RESULTS
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--prompts", type=int, default=8)
 parser.add_argument("--new-tokens", type=int, default=64)
+parser.add_argument("--label", default="greedy-vs-hf", help="writes bench/results/<label>-<date>.json")
 args = parser.parse_args()
 target, draft = default_pair()
 hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -37,6 +38,6 @@ for prompt in heldout_chat_prompts(spec.tokenizer, args.prompts, max_tokens=256)
     runs.append(dict(hf_len=len(expected), same_spec=r.token_ids == expected, same_eager=eager == expected,
                      eos_in=spec.tokenizer.eos_token_id in expected))
 print(runs)
-out = RESULTS / f"greedy-vs-hf-{datetime.date.today().isoformat()}.json"
+out = RESULTS / f"{args.label}-{datetime.date.today().isoformat()}.json"
 out.write_text(json.dumps(dict(prompts=args.prompts, new_tokens=args.new_tokens, runs=runs), indent=1) + "\n")
 print(f"all equal: {all(r['same_spec'] and r['same_eager'] for r in runs)}; wrote {out}")
