@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
     bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
                        help="temperatures (default 0 1; 0 is greedy)")
-    bench.add_argument("--out-dir", default=".", help="where e2e-<date>.csv and .png go (default: here)")
+    bench.add_argument("--out-dir", default=".", help="where <label>-<date>.csv and .png go (default: here)")
+    bench.add_argument("--label", default="e2e", help="the output files' names start with it (default e2e)")
     bench.add_argument("--no-plot", action="store_true", help="no PNG")
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/completions, /v1/chat/completions "
@@ -138,7 +139,7 @@ def bench(args) -> int:
     options = {**quick, **given}
     if "gammas" in options:
         options["gammas"] = tuple(options["gammas"])
-    run_benchmark(BenchOptions(*pair, out_dir=args.out_dir, batches=tuple(args.batches),
+    run_benchmark(BenchOptions(*pair, out_dir=args.out_dir, label=args.label, batches=tuple(args.batches),
                                temperatures=tuple(args.temperatures), plot=not args.no_plot, gguf=gguf,
                                **options))
     return 0

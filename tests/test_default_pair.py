@@ -128,8 +128,9 @@ def test_chat_needs_a_template_and_messages(pair, text_pair):
 
 @pytest.mark.parametrize("warp", ["T=1", "T=0.7 top-p=0.9"])
 def test_verify_emits_the_targets_distribution_on_the_real_vocabulary(pair, warp):
-    """Real p and q (the pair at one position of a chat answer, V = 49152): drafts sampled from q,
-    verified with Philox seeds; the first emitted token must be distributed as warped p."""
+    """Real p and q (the pair along a chat answer, V = 49152): drafts sampled from q, verified with
+    Philox seeds; the first emitted token must be distributed as warped p, and a draft accepted
+    with probability sum(min(p, q)) (the paper's alpha for one position)."""
     from specengine.models import load_model
     from specengine.sampling.warp import warp_probs
 
@@ -139,14 +140,22 @@ def test_verify_emits_the_targets_distribution_on_the_real_vocabulary(pair, warp
     logits = []
     for model in (target, draft):
         with torch.inference_mode():
-            logits.append(model.logits(model(ids, torch.zeros(1, dtype=torch.long), model.new_cache(1, 256)))[0, -1])
-    p_logits, q_logits = logits
+            logits.append(model.logits(model(ids, torch.zeros(1, dtype=torch.long), model.new_cache(1, 256)))[0])
     temperature, top_p = (1.0, 1.0) if warp == "T=1" else (0.7, 0.9)
-    V = p_logits.numel()
+    V = logits[0].shape[-1]
     B, chunks = 2000, 10
     t = torch.full((B,), temperature)
-    warped_q = warp_probs(q_logits[None], t[:1], torch.zeros(1, dtype=torch.long), torch.full((1,), top_p),
-                          torch.zeros(1))[0]
+
+    def warped(row: torch.Tensor) -> torch.Tensor:
+        return warp_probs(row[None], t[:1], torch.zeros(1, dtype=torch.long), torch.full((1,), top_p), torch.zeros(1))[0]
+
+    # The last position where the warped p and q overlap partly: both the acceptance and the
+    # resampling of verify are exercised there (where the draft's nucleus misses the target's,
+    # every draft is rejected).
+    position = max(i for i in range(ids.shape[1])
+                   if 0.1 < float(torch.minimum(warped(logits[0][i]), warped(logits[1][i])).sum()) < 0.9)
+    p_logits, q_logits = logits[0][position], logits[1][position]
+    warped_q, expected = warped(q_logits), warped(p_logits)
     counts = torch.zeros(V)
     accepted = 0
     g = torch.Generator().manual_seed(0)
@@ -155,12 +164,12 @@ def test_verify_emits_the_targets_distribution_on_the_real_vocabulary(pair, warp
         tokens, count = verify(p_logits.expand(B, 2, V).contiguous(), q_logits.expand(B, 1, V).contiguous(), drafts,
                                torch.ones(B, dtype=torch.long), t, torch.zeros(B, dtype=torch.long),
                                torch.full((B,), top_p), torch.zeros(B), torch.arange(B) + chunk * B,
-                               torch.full((B,), ids.shape[1]))
+                               torch.full((B,), position + 1))
         counts += torch.bincount(tokens[:, 0], minlength=V).float()
         accepted += int((count == 2).sum())
-    expected = warp_probs(p_logits[None], t[:1], torch.zeros(1, dtype=torch.long), torch.full((1,), top_p),
-                          torch.zeros(1))[0]
     assert chi_square_pvalue(counts, expected) > 1e-3
-    assert 0.05 * B * chunks < accepted < B * chunks  # the drafts were tested, not all taken
+    alpha = float(torch.minimum(expected, warped_q).sum())
+    rate = accepted / (B * chunks)
+    assert abs(rate - alpha) < 5 * (alpha * (1 - alpha) / (B * chunks)) ** 0.5 + 1e-3, (rate, alpha)
     # The same counts are far from q's distribution (the test can tell p from q here).
     assert chi_square_pvalue(counts, warped_q) < 1e-6
