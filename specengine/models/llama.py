@@ -20,7 +20,7 @@ from ..layers.linear import GEMM_ROWS, Linear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.parallel import TensorParallel, TensorParallelError
 from ..layers.rotary import rope_cos_sin, rope_inv_freq
-from ..layers.tracked import TracksParameterAssignments
+from ..layers.tracked import KeepsParameterViews
 from ..ops.attention import attention_mask, cached_attention_cpp, cached_attention_reference, cached_attention_triton
 from ..ops.decoder_layer import DecoderLayerWeights, decoder_layer_cpp
 from .config import ModelConfig
@@ -145,7 +145,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(KeepsParameterViews):
     is_encoder_decoder = False
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
@@ -189,8 +189,6 @@ class LlamaForCausalLM(nn.Module):
         # compile them): the model then runs the torch path, as CUDA graphs fall back to eager.
         self.triton_fallback_reason: str | None = None
         self._triton_proven = False
-        self._layer_weights: list[DecoderLayerWeights] | None = None  # see whole_layer_weights
-        self._layer_weights_assignments = -1
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every weight a Hugging Face checkpoint of this model holds, by its name there, as the
@@ -341,21 +339,12 @@ class LlamaForCausalLM(nn.Module):
         """Each decoder layer's weights for ops.decoder_layer, or None unless every matrix is stored
         in bfloat16. Kept between calls: replacing a layer's parameter, or moving or casting the
         model with parameters swapped for new objects, rebuilds them."""
-        if self._layer_weights_assignments != TracksParameterAssignments.assignments:
-            self._layer_weights = [layer.weights() for layer in self.model.layers]
-            self._layer_weights_assignments = TracksParameterAssignments.assignments
+        weights = self.parameter_views(lambda: [layer.weights() for layer in self.model.layers])
         bf16 = torch.bfloat16
         if all(w.qkv.dtype == bf16 and w.o.dtype == bf16 and w.gate_up.dtype == bf16 and w.down.dtype == bf16
-               for w in self._layer_weights):
-            return self._layer_weights
+               for w in weights):
+            return weights
         return None
-
-    def _apply(self, fn, recurse=True):
-        # .to() and friends may put new Parameter objects in the layers' dicts directly (see
-        # torch.__future__.set_overwrite_module_params_on_conversion), which no count sees.
-        result = super()._apply(fn, recurse)
-        self._layer_weights_assignments = -1
-        return result
 
     def gather_output_rows(self):
         """A tied head over output_token_ids: its rows are the embedding's rows of those ids."""

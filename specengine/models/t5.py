@@ -29,7 +29,7 @@ from torch import nn
 from ..layers.kv_cache import EncoderDecoderKVCache
 from ..layers.linear import GEMM_ROWS, Linear
 from ..layers.norm import RMSNorm
-from ..layers.tracked import TracksParameterAssignments
+from ..layers.tracked import KeepsParameterViews
 from ..ops.attention import biased_attention, relative_attention_cpp, relative_attention_reference, relative_bias
 from ..ops.decoder_layer import T5BlockWeights, t5_decoder_block_cpp
 from .t5_config import T5Config
@@ -157,7 +157,7 @@ class DecoderStep:
     cross_bias: torch.Tensor | None
 
 
-class T5ForConditionalGeneration(nn.Module):
+class T5ForConditionalGeneration(KeepsParameterViews):
     is_encoder_decoder = True
     tp = None  # never split (layers.parallel covers the decoder-only models)
 
@@ -182,8 +182,6 @@ class T5ForConditionalGeneration(nn.Module):
         # (whole_block_kernels). Tests switch them off to compare with the torch path.
         self.cpu_kernels = True
         self.whole_block_kernels = True
-        self._block_weights: list[T5BlockWeights] | None = None  # see whole_block_weights
-        self._block_weights_assignments = -1
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -324,22 +322,13 @@ class T5ForConditionalGeneration(nn.Module):
     def whole_block_weights(self) -> list[T5BlockWeights] | None:
         """Each decoder block's weights for ops.decoder_layer.t5_decoder_block, or None unless every
         matrix is stored in bfloat16. Kept between calls (rebuilt when a parameter is replaced)."""
-        if self._block_weights_assignments != TracksParameterAssignments.assignments:
-            self._block_weights = [T5BlockWeights(b.attn.norm.weight, b.attn.qkv.weight, b.attn.o.weight,
-                                                  b.cross.norm.weight, b.cross.q.weight, b.cross.o.weight,
-                                                  b.ff.norm.weight, b.ff.wi.weight, b.ff.wo.weight)
-                                   for b in self.decoder]
-            self._block_weights_assignments = TracksParameterAssignments.assignments
-        if all(t.dtype == torch.bfloat16 for w in self._block_weights
-               for t in (w.qkv, w.self_o, w.cross_q, w.cross_o, w.wi, w.wo)):
-            return self._block_weights
+        weights = self.parameter_views(lambda: [
+            T5BlockWeights(b.attn.norm.weight, b.attn.qkv.weight, b.attn.o.weight, b.cross.norm.weight,
+                           b.cross.q.weight, b.cross.o.weight, b.ff.norm.weight, b.ff.wi.weight, b.ff.wo.weight)
+            for b in self.decoder])
+        if all(t.dtype == torch.bfloat16 for w in weights for t in (w.qkv, w.self_o, w.cross_q, w.cross_o, w.wi, w.wo)):
+            return weights
         return None
-
-    def _apply(self, fn, recurse=True):
-        # .to() may swap parameters for new objects, which no count sees (as LlamaForCausalLM).
-        result = super()._apply(fn, recurse)
-        self._block_weights_assignments = -1
-        return result
 
     def cpu_kernels_apply(self, x: torch.Tensor) -> bool:
         """Whether this forward takes the C++ RMSNorm (float32 on a CPU, no autograd)."""
