@@ -12,8 +12,8 @@ ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 ext_modules = [
     Pybind11Extension(
         "specengine._C",
-        sources=["csrc/bindings.cpp", "csrc/decoder.cpp", "csrc/layers.cpp", "csrc/linear.cpp", "csrc/ngram.cpp",
-                 "csrc/verify.cpp"],
+        sources=["csrc/bindings.cpp", "csrc/decoder.cpp", "csrc/gemm.cpp", "csrc/layers.cpp", "csrc/linear.cpp",
+                 "csrc/ngram.cpp", "csrc/verify.cpp"],
         cxx_std=17,
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "decoder.h"
+#include "gemm.h"
 #include "layers.h"
 #include "cpu_features.h"
 #include "linear.h"
@@ -91,6 +92,16 @@ void linear_bf16_weight_py(uintptr_t x, uintptr_t weight, uintptr_t bias, uintpt
   py::gil_scoped_release release;
   specengine::linear_bf16_weight(ptr<const float>(x), ptr<const uint16_t>(weight), ptr<const float>(bias),
                                  ptr<float>(out), R, K, N);
+}
+
+void gemm_bf16_weight_amx_py(uintptr_t x, uintptr_t weight, uintptr_t bias, uintptr_t out, int64_t R, int64_t K,
+                             int64_t N) {
+  if (R < 0 || K < 0 || N < 0) throw std::invalid_argument("R, K and N must be >= 0");
+  if (!specengine::gemm_amx_available())
+    throw std::invalid_argument("gemm_bf16_weight_amx: this CPU (or the instruction-set limit) has no AMX");
+  py::gil_scoped_release release;
+  specengine::gemm_bf16_weight_amx(ptr<const float>(x), ptr<const uint16_t>(weight), ptr<const float>(bias),
+                                   ptr<float>(out), R, K, N);
 }
 
 // Raw data pointers of CPU tensors, validated by specengine/ops/attention.py (never call directly).
@@ -184,17 +195,20 @@ void t5_decoder_block_py(uintptr_t x, uintptr_t self_norm, uintptr_t qkv, uintpt
 void set_cpu_isa_limit_py(const std::string& isa) {
   static const std::pair<const char*, specengine::CpuIsa> names[] = {
       {"portable", specengine::CpuIsa::portable}, {"avx2", specengine::CpuIsa::avx2},
-      {"avx512", specengine::CpuIsa::avx512}};
+      {"avx512", specengine::CpuIsa::avx512}, {"amx", specengine::CpuIsa::amx}};
   for (const auto& [name, level] : names)
     if (isa == name) {
       specengine::isa_limit() = static_cast<int>(level);
       return;
     }
-  throw std::invalid_argument("cpu isa must be 'avx512', 'avx2' or 'portable', not '" + isa + "'");
+  throw std::invalid_argument("cpu isa must be 'amx', 'avx512', 'avx2' or 'portable', not '" + isa + "'");
 }
 
 std::string cpu_isa_py() {
-  return specengine::use_avx512() ? "avx512" : specengine::use_avx2() ? "avx2" : "portable";
+  return specengine::use_amx()      ? "amx"
+         : specengine::use_avx512() ? "avx512"
+         : specengine::use_avx2()   ? "avx2"
+                                    : "portable";
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -212,6 +226,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("target_lengths"), py::arg("draft_lengths"), py::arg("planted_bug") = 0);
   m.def("linear_bf16_weight", &linear_bf16_weight_py,
         "out [R, N] = x [R, K] float32 @ weight [N, K] bfloat16 ^T + bias (use specengine.ops.linear).",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("R"), py::arg("K"), py::arg("N"));
+  m.def("gemm_bf16_weight_amx", &gemm_bf16_weight_amx_py,
+        "out [R, N] = x [R, K] float32 @ weight [N, K] bfloat16 ^T + bias on AMX tiles, for prompt-sized R "
+        "(use specengine.ops.linear).",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("R"), py::arg("K"), py::arg("N"));
   m.def("cached_attention", &cached_attention_py,
         "Rotary, KV-cache write and attention of one layer on CPU tensors (use specengine.ops.attention).",
@@ -248,9 +266,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("rms_norm", &rms_norm_py, "Llama RMSNorm of float32 rows (use specengine.ops.norm).",
         py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("R"), py::arg("N"), py::arg("eps"));
   m.def("set_cpu_isa_limit", &set_cpu_isa_limit_py, py::arg("isa"),
-        "The widest instruction set the C++ ops may use: 'avx512' (the default), 'avx2' or 'portable' "
-        "(tests of the narrower paths on a CPU that has the wider ones).");
-  m.def("cpu_isa", &cpu_isa_py, "The widest instruction set the C++ ops take now: avx512, avx2 or portable.");
+        "The widest instruction set the C++ ops may use: 'amx' (the default), 'avx512', 'avx2' or "
+        "'portable' (tests of the narrower paths on a CPU that has the wider ones).");
+  m.def("cpu_isa", &cpu_isa_py, "The widest instruction set the C++ ops take now: amx, avx512, avx2 or portable.");
   m.def("philox_uniforms", &philox_uniforms_py, py::arg("seeds"), py::arg("positions"),
         py::arg("stream"),
         "Uniforms [B, K] in [0, 1) keyed by (seeds[b], positions[b, k], stream), Philox4x32-10.");

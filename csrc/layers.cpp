@@ -190,6 +190,185 @@ void attend_items(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const
   }
 }
 
+#ifdef SPECENGINE_X86
+// Grouped, split-KV attention (AVX-512; head sizes 64 and 128). One work item is a kv head of
+// one row, a block of up to kTokenBlock of the row's tokens, and one of two segments of each
+// query's keys: its query rows (every token of the block, every query head of the group) share
+// each key and value load, where one item per query head re-read them G * T times. Keys run in
+// chunks of kKeyChunk with an online softmax; the two segments of a query (its chunks split at
+// their middle) are merged at the end, which keeps both threads busy on a single row's decode
+// step. Chunks, segments and blocks depend only on each query's own positions, so a row's
+// result does not depend on the other rows of its batch. Measured on SmolLM2 (9 query heads over
+// 3 kv heads, 2-core AVX-512 VM), against one item per query head: even at 200 cached tokens
+// (the cold cache reads cost the same), a 3-token step 18.6 ms against 19.3 at 600, and a
+// 400-token prefill 311 ms against 373.
+constexpr int64_t kKeyChunk = 64;
+constexpr int64_t kTokenBlock = 16;
+constexpr int64_t kSegments = 2;
+
+// What one query row of a work item reads: keys first..last (inclusive; first > last: none).
+struct QueryKeys {
+  const float* q;
+  int64_t first, last;
+};
+
+SPECENGINE_AVX512 inline float max_of(const float* x, int64_t n) {  // n a multiple of 16
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + j));
+  return _mm512_reduce_max_ps(m);
+}
+
+// One work item over its query rows: running max, sum and output [rows, DV * 16] per row in
+// m, l, o; keys and values are the row's kv head (key j at j * key_stride). scores: [rows,
+// kKeyChunk] scratch.
+template <int DV>
+SPECENGINE_AVX512 void attend_rows(const QueryKeys* rows, int64_t n_rows, const float* keys, const float* values,
+                                   int64_t key_stride, float scale, float* scores, float* m, float* l, float* o) {
+  constexpr int64_t D = DV * 16, kRowBlock = 16 / DV;  // 16 accumulators per block of rows
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  int64_t first = std::numeric_limits<int64_t>::max(), last = -1;
+  for (int64_t i = 0; i < n_rows; ++i) {
+    m[i] = minus_inf;
+    l[i] = 0.f;
+    std::fill(o + i * D, o + (i + 1) * D, 0.f);
+    if (rows[i].first <= rows[i].last) {
+      first = std::min(first, rows[i].first);
+      last = std::max(last, rows[i].last);
+    }
+  }
+  std::vector<int64_t> active;
+  std::vector<float> alpha(static_cast<size_t>(n_rows));
+  for (int64_t c0 = last < 0 ? 0 : first / kKeyChunk * kKeyChunk; c0 <= last; c0 += kKeyChunk) {
+    // The keys of this chunk some row reads: every one was written by a real token of this row
+    // (stale entries lie past the row's last position, never in [j0, j1]).
+    int64_t j0 = std::numeric_limits<int64_t>::max(), j1 = -1;
+    active.clear();
+    for (int64_t i = 0; i < n_rows; ++i) {
+      const int64_t lo = std::max(rows[i].first, c0), hi = std::min(rows[i].last, c0 + kKeyChunk - 1);
+      if (lo > hi) continue;
+      active.push_back(i);
+      j0 = std::min(j0, lo);
+      j1 = std::max(j1, hi);
+      std::fill(scores + i * kKeyChunk, scores + (i + 1) * kKeyChunk, minus_inf);
+    }
+    if (active.empty()) continue;
+    for (int64_t j = j0; j <= j1; ++j) {
+      const float* kj = keys + j * key_stride;
+      __m512 k[DV];
+      for (int d = 0; d < DV; ++d) k[d] = _mm512_loadu_ps(kj + 16 * d);
+      for (const int64_t i : active) {
+        if (j < rows[i].first || j > rows[i].last) continue;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(rows[i].q), k[0]);
+        for (int d = 1; d < DV; ++d) acc = _mm512_fmadd_ps(_mm512_loadu_ps(rows[i].q + 16 * d), k[d], acc);
+        scores[i * kKeyChunk + (j - c0)] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+    for (const int64_t i : active) {  // online softmax: rescale what earlier chunks summed
+      float* s = scores + i * kKeyChunk;
+      const float m_new = std::max(m[i], max_of(s, kKeyChunk));
+      alpha[i] = std::exp(m[i] - m_new);  // 0 for the first chunk (m = -inf)
+      m[i] = m_new;
+      l[i] = l[i] * alpha[i] + exp_scores_avx2(s, 0, kKeyChunk - 1, m_new);  // masked keys: exp(-inf) = 0
+    }
+    for (size_t a = 0; a < active.size(); a += kRowBlock) {
+      const int64_t n_block = std::min<int64_t>(kRowBlock, static_cast<int64_t>(active.size() - a));
+      __m512 acc[kRowBlock][DV];
+      for (int64_t r = 0; r < n_block; ++r) {
+        const __m512 scale_old = _mm512_set1_ps(alpha[active[a + r]]);
+        for (int d = 0; d < DV; ++d) acc[r][d] = _mm512_mul_ps(_mm512_loadu_ps(o + active[a + r] * D + 16 * d), scale_old);
+      }
+      for (int64_t j = j0; j <= j1; ++j) {
+        const float* vj = values + j * key_stride;
+        __m512 v[DV];
+        for (int d = 0; d < DV; ++d) v[d] = _mm512_loadu_ps(vj + 16 * d);
+        for (int64_t r = 0; r < n_block; ++r) {
+          const __m512 e = _mm512_set1_ps(scores[active[a + r] * kKeyChunk + (j - c0)]);
+          for (int d = 0; d < DV; ++d) acc[r][d] = _mm512_fmadd_ps(e, v[d], acc[r][d]);
+        }
+      }
+      for (int64_t r = 0; r < n_block; ++r)
+        for (int d = 0; d < DV; ++d) _mm512_storeu_ps(o + active[a + r] * D + 16 * d, acc[r][d]);
+    }
+  }
+}
+
+// Step 3 of cached_attention on this path: q_rot [B, T, H, D] rotated queries, out [B, T, H, D].
+template <int DV>
+SPECENGINE_AVX512 void attend_grouped(const float* q_rot, const int64_t* positions, const float* cache_k,
+                                      const float* cache_v, float* out, int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                                      int64_t cache_row_stride, int64_t kv_len, int64_t window) {
+  constexpr int64_t D = DV * 16;
+  const int64_t G = H / Hkv, blocks = (T + kTokenBlock - 1) / kTokenBlock;
+  const int64_t items = B * Hkv * blocks * kSegments;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  // Per query (token, head) and segment: running max, sum, then the unnormalised output.
+  std::vector<float> partials(static_cast<size_t>(B * T * H * kSegments * (D + 2)));
+  const bool parallel = B * T * H * kv_len * D > kParallelWork;
+#pragma omp parallel if (parallel)
+  {
+    const int64_t max_rows = kTokenBlock * G;
+    std::vector<QueryKeys> rows(static_cast<size_t>(max_rows));
+    std::vector<float> scores(static_cast<size_t>(max_rows * kKeyChunk)), m(max_rows), l(max_rows),
+        o(static_cast<size_t>(max_rows * D));
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t segment = item % kSegments, block = item / kSegments % blocks;
+      const int64_t g = item / (kSegments * blocks) % Hkv, b = item / (kSegments * blocks * Hkv);
+      const int64_t t0 = block * kTokenBlock, t1 = std::min(T, t0 + kTokenBlock);
+      int64_t n_rows = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t bt = b * T + t, p = positions[bt];
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, hi = std::min(p, kv_len - 1);
+        // This segment of the query's chunks: the first half (rounded up), or the rest.
+        int64_t first = 1, last = 0;
+        if (lo <= hi) {
+          const int64_t c_first = lo / kKeyChunk, chunks = hi / kKeyChunk - c_first + 1;
+          const int64_t split = (c_first + (chunks + 1) / 2) * kKeyChunk;
+          first = segment == 0 ? lo : std::max(lo, split);
+          last = segment == 0 ? std::min(hi, split - 1) : hi;
+        }
+        for (int64_t h = g * G; h < (g + 1) * G; ++h) rows[n_rows++] = {q_rot + (bt * H + h) * D, first, last};
+      }
+      const int64_t offset = b * cache_row_stride + g * D;
+      attend_rows<DV>(rows.data(), n_rows, cache_k + offset, cache_v + offset, Hkv * D, scale, scores.data(),
+                      m.data(), l.data(), o.data());
+      for (int64_t i = 0; i < n_rows; ++i) {
+        const int64_t bt = b * T + t0 + i / G, h = g * G + i % G;
+        float* partial = partials.data() + ((bt * H + h) * kSegments + segment) * (D + 2);
+        partial[0] = m[i];
+        partial[1] = l[i];
+        std::copy(o.data() + i * D, o.data() + (i + 1) * D, partial + 2);
+      }
+    }
+    // Merge the segments: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s (zeros: no key).
+#pragma omp for schedule(static)
+    for (int64_t query = 0; query < B * T * H; ++query) {
+      const float* part = partials.data() + query * kSegments * (D + 2);
+      float* dst = out + query * D;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < kSegments; ++s)
+        if (part[s * (D + 2) + 1] > 0.f) top = std::max(top, part[s * (D + 2)]);
+      if (top == -std::numeric_limits<float>::infinity()) {
+        std::fill(dst, dst + D, 0.f);
+        continue;
+      }
+      float weights[kSegments], total = 0.f;
+      for (int64_t s = 0; s < kSegments; ++s) {
+        const float* ps = part + s * (D + 2);
+        weights[s] = ps[1] > 0.f ? std::exp(ps[0] - top) : 0.f;
+        total += weights[s] * ps[1];
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        float sum = 0.f;
+        for (int64_t s = 0; s < kSegments; ++s)
+          if (weights[s] > 0.f) sum += weights[s] * part[s * (D + 2) + 2 + d];
+        dst[d] = sum / total;
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 void cached_attention(const float* q, const float* k, const float* v, int64_t q_token_stride,
@@ -215,8 +394,19 @@ void cached_attention(const float* q, const float* k, const float* v, int64_t q_
       std::copy(v + bt * v_token_stride, v + bt * v_token_stride + Hkv * D, v_dst);
     }
   }
-  // 3: one (row, token, head) per iteration.
+  // 3: grouped over each kv head's query heads and tokens (AVX-512, head sizes 64 and 128), or
+  // one (row, token, head) per iteration.
   const float* rotated = q_rot.data();
+#ifdef SPECENGINE_X86
+  if (use_avx512() && (D == 64 || D == 128)) {
+    if (D == 64) {
+      attend_grouped<4>(rotated, positions, cache_k, cache_v, out, B, T, H, Hkv, cache_row_stride, kv_len, window);
+    } else {
+      attend_grouped<8>(rotated, positions, cache_k, cache_v, out, B, T, H, Hkv, cache_row_stride, kv_len, window);
+    }
+    return;
+  }
+#endif
   attend_items(B, T, H, Hkv, D, positions, cache_k, cache_v, cache_row_stride, kv_len,
                1.f / std::sqrt(static_cast<float>(D)), out, [&](int64_t bt, int64_t h, int64_t p) {
                  const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;

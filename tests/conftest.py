@@ -75,8 +75,8 @@ def pytest_collection_modifyitems(config, items):
 
 @contextmanager
 def cpu_isa_limit(isa: str):
-    """Run specengine._C's ops with at most this instruction set ('avx512', 'avx2', 'portable'),
-    as on CPUs without the wider ones; a test of a path this CPU lacks is skipped."""
+    """Run specengine._C's ops with at most this instruction set ('amx', 'avx512', 'avx2',
+    'portable'), as on CPUs without the wider ones; a test of a path this CPU lacks is skipped."""
     from specengine import _C
 
     _C.set_cpu_isa_limit(isa)
@@ -85,7 +85,7 @@ def cpu_isa_limit(isa: str):
             pytest.skip(f"this CPU has no {isa}")
         yield
     finally:
-        _C.set_cpu_isa_limit("avx512")
+        _C.set_cpu_isa_limit("amx")
 
 
 def portable_cpu_kernels(on: bool = True):

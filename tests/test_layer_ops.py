@@ -41,17 +41,24 @@ SHAPES = [  # B, T, H, Hkv, D, capacity, starts
     (5, 9, 8, 1, 64, 32, [0, 4, 9, 1, 23]),  # gamma 8, multi-query attention
     (1, 33, 2, 2, 4, 40, [0]),             # a prefill
     (2, 4, 2, 1, 8, 10, [5, 8]),           # positions past the capacity (padding into the spill slot)
+    # Head sizes 64 and 128 take the grouped AVX-512 path: keys in chunks of 64, two segments per
+    # query, blocks of 16 tokens.
+    (1, 3, 9, 3, 64, 300, [200]),          # SmolLM2's verification of 2 drafts + 1, 4 chunks
+    (2, 20, 4, 2, 64, 160, [0, 100]),      # two blocks of tokens: a prefill and a continuation
+    (3, 2, 4, 1, 128, 200, [62, 127, 150]),  # head size 128, tokens across chunk boundaries
+    (1, 1, 2, 2, 64, 1100, [1000]),        # a long context: 16 chunks
+    (2, 5, 6, 2, 64, 12, [9, 1]),          # padding past the capacity on this path too
 ]
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
-@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("window", [None, 1, 3, 70])
 @pytest.mark.parametrize("B,T,H,Hkv,D,capacity,starts", SHAPES)
-def test_attention_matches_the_reference(B, T, H, Hkv, D, capacity, starts, window, portable):
+def test_attention_matches_the_reference(B, T, H, Hkv, D, capacity, starts, window, isa):
     case = attention_case(B, T, H, Hkv, D, capacity, starts)
     kv_len = min(max(starts) + T, capacity)
     want, want_k, want_v = run("reference", case, kv_len, window)
-    with portable_cpu_kernels(portable):
+    with cpu_isa_limit(isa):
         got, got_k, got_v = run("cpp", case, kv_len, window)
     positions = case[5]
     seen = torch.arange(kv_len)
@@ -80,28 +87,41 @@ def test_packed_projection_views_read_in_place():
         assert torch.equal(a, b)
 
 
-def test_one_visible_key_returns_its_value_exactly():
+@pytest.mark.parametrize("D", [8, 64])
+def test_one_visible_key_returns_its_value_exactly(D):
     """Position 0 sees only itself: softmax over one key is 1, so the output is v, bit for bit;
     at position 0 the rotary embedding is the identity, so the cached key is k."""
-    case = attention_case(2, 1, 4, 2, 8, 8, [0, 0])
+    case = attention_case(2, 1, 4, 2, D, 8, [0, 0])
     q, k, v = case[:3]
     out, cache_k, cache_v = run("cpp", case, 1)
     assert torch.equal(out, v.repeat_interleave(2, dim=2).reshape(2, 1, -1))
     assert torch.equal(cache_k[:2, 0], k[:, 0]) and torch.equal(cache_v[:2, 0], v[:, 0])
 
 
-def test_stale_entries_past_a_rows_length_are_never_read():
+@pytest.mark.parametrize("D,capacity,starts", [(8, 24, [2, 11, 6]), (64, 400, [2, 300, 130])])
+def test_stale_entries_past_a_rows_length_are_never_read(D, capacity, starts):
     """Rolled-back drafts stay in the cache past each row's length: poisoning them with NaN must
     not change any output (a query at position p reads keys 0..p only)."""
-    B, T, H, Hkv, D, capacity = 3, 2, 4, 2, 8, 24
-    starts = [2, 11, 6]
+    B, T, H, Hkv = 3, 2, 4, 2
+    kv_len = max(starts) + T
     case = list(attention_case(B, T, H, Hkv, D, capacity, starts))
-    clean = run("cpp", case, 13)[0]
+    clean = run("cpp", case, kv_len)[0]
     for b, start in enumerate(starts):
         case[6][b, start + T:] = float("nan")
         case[7][b, start + T:] = float("nan")
-    poisoned = run("cpp", case, 13)[0]
+    poisoned = run("cpp", case, kv_len)[0]
     assert torch.equal(poisoned, clean)
+
+
+def test_a_rows_attention_does_not_depend_on_the_other_rows():
+    """Bit for bit the same output for a row alone and in a batch with longer and shorter rows
+    (the grouped path's chunks and segments follow each query's own positions)."""
+    T, H, Hkv, D, capacity = 3, 6, 2, 64, 300
+    case = attention_case(3, T, H, Hkv, D, capacity, [40, 250, 130])
+    together = run("cpp", case, 253)[0]
+    for b, start in enumerate([40, 250, 130]):
+        alone = [t[b:b + 1].clone() for t in case]
+        assert torch.equal(run("cpp", alone, start + T)[0][0], together[b])
 
 
 def test_attention_errors_name_the_problem():

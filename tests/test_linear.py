@@ -79,12 +79,65 @@ def test_the_instruction_set_limit_is_checked_and_restored():
     from specengine import _C
 
     widest = _C.cpu_isa()
-    with pytest.raises(ValueError, match="cpu isa must be 'avx512', 'avx2' or 'portable', not 'sse4'"):
+    with pytest.raises(ValueError, match="cpu isa must be 'amx', 'avx512', 'avx2' or 'portable', not 'sse4'"):
         _C.set_cpu_isa_limit("sse4")
     assert _C.cpu_isa() == widest
     with cpu_isa_limit("portable"):
         assert _C.cpu_isa() == "portable"
     assert _C.cpu_isa() == widest
+
+
+# The AMX op: prompt-sized products, tiles of 16 rows and 32 k, blocks of 32 columns.
+AMX_SHAPES = [(1, 1, 1), (15, 2, 15), (16, 31, 16), (17, 32, 17), (33, 33, 31), (64, 576, 33), (40, 1537, 97),
+              (100, 64, 8193), (3, 48, 32)]
+
+
+def amx_product(x, weight, bias):
+    with cpu_isa_limit("amx"):
+        return linear_bf16_weight(x, weight, bias, impl="amx")
+
+
+@pytest.mark.parametrize("R,K,N", AMX_SHAPES)
+def test_the_amx_op_matches_the_float32_reference(R, K, N):
+    x, weight, bias = operands(R, K, N, bias=N % 2 == 1)
+    got = amx_product(x, weight, bias)
+    want = linear_bf16_weight(x, weight, bias, impl="reference")
+    scale = (x.abs() @ weight.float().abs().t()) + (bias.abs() if bias is not None else 0)
+    assert got.shape == want.shape == (R, N)
+    assert ((got - want).abs() <= K * 1.2e-7 * scale + 1e-30).all()
+
+
+def test_the_amx_op_is_exact_on_integer_operands():
+    g = torch.Generator().manual_seed(2)
+    for R, K, N in [(17, 37, 11), (32, 64, 33), (5, 100, 16), (48, 33, 47)]:
+        x = torch.randint(-8, 9, (R, K), generator=g).float()
+        weight = torch.randint(-8, 9, (N, K), generator=g).bfloat16()
+        bias = torch.randint(-8, 9, (N,), generator=g).float()
+        assert torch.equal(amx_product(x, weight, bias), x @ weight.float().t() + bias)
+
+
+def test_the_amx_op_keeps_all_of_float32s_significand():
+    """x = 1 + 2^-10 + 2^-20 needs all three bfloat16 terms (1, 2^-10, 2^-20): with two the
+    result would be 1 + 2^-10."""
+    x = torch.full((16, 1), 1 + 2 ** -10 + 2 ** -20)
+    weight = torch.ones(3, 1, dtype=torch.bfloat16)
+    assert torch.equal(amx_product(x, weight, None), x.expand(16, 3))
+
+
+def test_an_amx_row_does_not_depend_on_the_other_rows():
+    """Each row's sums run in the same order whatever else the call holds: a prompt prefills
+    alike alone or in a batch (bitwise)."""
+    x, weight, bias = operands(70, 576, 100, bias=True)
+    together = amx_product(x, weight, bias)
+    for r in (0, 15, 16, 69):
+        assert torch.equal(amx_product(x[r:r + 1], weight, bias)[0], together[r])
+        assert torch.equal(amx_product(x[r:r + 17], weight, bias)[0], together[r])
+
+
+def test_the_amx_op_is_refused_where_it_cannot_run():
+    x, weight, _ = operands(32, 64, 16, bias=False)
+    with cpu_isa_limit("avx512"), pytest.raises(ValueError, match="impl 'amx' needs a CPU with AMX"):
+        linear_bf16_weight(x, weight, impl="amx")
 
 
 @pytest.mark.parametrize("case", list(ARCH_CASES))

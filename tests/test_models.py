@@ -8,7 +8,7 @@ from specengine.models import load_model
 from specengine.models import llama
 from specengine.models.llama import Attention
 
-from conftest import ARCH_CASES
+from conftest import ARCH_CASES, cpu_isa_limit
 
 ATOL = 2e-5
 # Our float32 CPU forward runs specengine._C's fused layer ops: each whole decoder layer in one
@@ -68,21 +68,30 @@ def test_prefill_matches_transformers_on_ragged_batch(case, layer_ops, checkpoin
         torch.testing.assert_close(logits[b, : len(s)], hf_logits(hf, s), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("isa", ["amx", "avx512"])
 @pytest.mark.parametrize("case", ["llama3-rope-gqa", "qwen3-qk-norm-tied"])
-def test_a_prefill_of_many_rows_takes_gemms_on_widened_weights_and_matches_transformers(case, checkpoint, monkeypatch):
-    """From GEMM_ROWS rows on, a bfloat16 checkpoint's products are float32 GEMMs on widened weights
-    (the per-op path), not the few-row C++ op."""
+def test_a_prefill_of_many_rows_takes_gemms_and_matches_transformers(case, isa, checkpoint, monkeypatch):
+    """From GEMM_ROWS rows on, a bfloat16 checkpoint's products are GEMMs (the per-op path), not
+    the few-row C++ op: AMX tiles where the CPU has them, else float32 GEMMs on widened weights."""
     from specengine.layers import linear
 
     ours = load_model(checkpoint(case, torch.bfloat16))
-    few_row_calls = []
-    few_row_op = linear.linear_bf16_weight_cpp
-    monkeypatch.setattr(linear, "linear_bf16_weight_cpp", lambda *a: few_row_calls.append(a) or few_row_op(*a))
+    calls = {"few-row": 0, "amx": 0, "widened": 0}
+
+    def counted(name, op):
+        def run(*args):
+            calls[name] += 1
+            return op(*args)
+        return run
+    monkeypatch.setattr(linear, "linear_bf16_weight_cpp", counted("few-row", linear.linear_bf16_weight_cpp))
+    monkeypatch.setattr(linear, "gemm_bf16_weight_amx_cpp", counted("amx", linear.gemm_bf16_weight_amx_cpp))
+    monkeypatch.setattr(linear, "blocked_gemm", counted("widened", linear.blocked_gemm))
     sequence = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = ours.new_cache(1, 48)
-    with torch.no_grad():
+    with cpu_isa_limit(isa), torch.no_grad():
         logits = ours.logits(ours(torch.tensor([sequence]), torch.zeros(1, dtype=torch.int64), cache))
-    assert few_row_calls == []
+    assert calls["few-row"] == 0
+    assert (calls["amx"] > 0, calls["widened"] > 0) == (isa == "amx", isa != "amx")
     hf = AutoModelForCausalLM.from_pretrained(checkpoint(case, torch.bfloat16), dtype=torch.float32).eval()
     torch.testing.assert_close(logits[0], hf_logits(hf, sequence), atol=ATOL, rtol=0)
 

@@ -11,6 +11,7 @@ from specengine.engine.gamma import CostModel
 from specengine.layers.kv_cache import StaticKVCache
 
 from engine_util import stop_across_tokens, tiny_model
+from conftest import cpu_isa_limit
 
 V = 32
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -300,21 +301,23 @@ def cache_rows_after(model, prompts, groups):
     return entries
 
 
-@pytest.mark.parametrize("block", ["fixed", "one GEMM per call"])
-def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(wide_bf16_model, block,
+@pytest.mark.parametrize("isa,block", [("amx", "per row"), ("avx512", "fixed"), ("avx512", "one GEMM per call")])
+def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(wide_bf16_model, isa, block,
                                                                                 monkeypatch):
+    """The AMX GEMM sums each row on its own; the widened-weight sgemm runs in fixed blocks of rows."""
     from specengine.layers import linear
 
-    if block != "fixed":  # planted: one GEMM over all the rows of a call
+    if block == "one GEMM per call":  # planted: one sgemm over all the rows of a call
         monkeypatch.setattr(linear, "blocked_gemm", lambda x, w, bias: torch.nn.functional.linear(x, w.float(), bias))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (41, 90, 12, 66, 35, 100)]
-    alone = cache_rows_after(wide_bf16_model, prompts, [[i] for i in range(len(prompts))])
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    together = cache_rows_after(wide_bf16_model, prompts, [order])
+    with cpu_isa_limit(isa):
+        alone = cache_rows_after(wide_bf16_model, prompts, [[i] for i in range(len(prompts))])
+        together = cache_rows_after(wide_bf16_model, prompts, [order])
     same = all(torch.equal(alone[i][0], together[i][0]) and torch.equal(alone[i][1], together[i][1])
                for i in range(len(prompts)))
-    assert same == (block == "fixed")
+    assert same == (block != "one GEMM per call")
 
 
 def test_prefill_groups_stay_on_one_side_of_the_gemm_threshold():

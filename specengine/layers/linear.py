@@ -2,14 +2,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.linear import linear_bf16_weight_cpp
+from ..ops.linear import amx_available, gemm_bf16_weight_amx_cpp, linear_bf16_weight_cpp
 from .tracked import TracksParameterAssignments
 
 
-# From this many tokens per row (a prefill) a bfloat16 weight is widened to float32 for GEMMs: on
-# a 2-core AVX-512 CPU the C++ few-row op held ~100 GFLOP/s at any row count, while widening and
+# From this many tokens per row (a prefill) a bfloat16 weight's products are GEMMs. On a 2-core
+# AVX-512 CPU the C++ few-row op held ~100 GFLOP/s at any row count, while widening the weight and
 # oneDNN's sgemm reached 108-160 at 32 rows, 270-300 at 64 and 300-330 at 200 (SmolLM2's
-# 576 -> 1536, 576 -> 3072 and 1536 -> 576 products); below 32 rows the C++ op was faster.
+# 576 -> 1536, 576 -> 3072 and 1536 -> 576 products); below 32 rows the C++ op was faster. Where
+# the CPU has AMX, the GEMMs are ops.linear's AMX op instead (float32-accurate; SmolLM2's prefill
+# of 64-256 tokens took 0.47-0.58x the time of the widened sgemm's on that CPU, 0.39x at 32:
+# bench/results/prefill-cpu-2026-12-01.json).
 # The choice is made on tokens per row, not rows in all, so that a decoding row takes the same
 # path in a batch of any size (verifications have at most max_gamma + 1 tokens per row).
 GEMM_ROWS = 32
@@ -37,7 +40,8 @@ class Linear(TracksParameterAssignments, nn.Linear):
 
     - bfloat16 weights with float32 inputs (how the loader keeps a bfloat16 checkpoint on a
       CPU): the C++ op widens the weights on the fly, reading half the bytes of a float32 copy;
-      with GEMM_ROWS or more tokens per row ([B, T, K] inputs), blocked GEMMs on the widened weights.
+      with GEMM_ROWS or more tokens per row ([B, T, K] inputs), the AMX op where the CPU has AMX,
+      else blocked GEMMs on the widened weights.
     - float32 weights, 2..32 rows (a verification of gamma + 1 tokens, a small batch):
       oneDNN/MKL's x @ W^T was measured 2-4x slower than W @ x^T on an AVX2 CPU (e.g.
       512 -> 8192 at 5 rows: 7.4 ms vs 2.0 ms), which made verifying k tokens cost k times
@@ -69,7 +73,7 @@ def linear_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return F.linear(x, weight, bias)
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
         if x.dim() >= 3 and x.shape[-2] >= GEMM_ROWS:
-            return blocked_gemm(x, weight, bias)
+            return gemm_bf16_weight_amx_cpp(x, weight, bias) if amx_available() else blocked_gemm(x, weight, bias)
         return linear_bf16_weight_cpp(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     if not 1 < rows <= 32:

@@ -5,7 +5,9 @@ checkpoint kept in bfloat16 is half the bytes of an upcast float32 copy, and wid
 bfloat16 to float32 is exact, so the products equal float32 ones up to summation order.
 
   "cpp"        specengine._C.linear_bf16_weight (AVX-512 or AVX2/FMA where the CPU has it,
-               else a plain C++ loop; OpenMP over columns)
+               else a plain C++ loop; OpenMP over columns): few rows, bound by the weight stream
+  "amx"        specengine._C.gemm_bf16_weight_amx: AMX tiles on x split into three bfloat16
+               terms, float32-accurate, for prompt-sized products (CPUs with AMX only)
   "reference"  F.linear on the weight upcast to float32 (the oracle)
   "auto"       cpp
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IMPLEMENTATIONS = ("auto", "cpp", "reference")
+IMPLEMENTATIONS = ("auto", "cpp", "amx", "reference")
 
 
 def _check(cond: bool, message: str):
@@ -44,7 +46,36 @@ def linear_bf16_weight(
         bias = bias.contiguous()
     if impl == "reference":
         return F.linear(x, weight.float(), bias)
+    if impl == "amx":
+        _check(amx_available(), "impl 'amx' needs a CPU with AMX bfloat16 tiles (and an instruction-set limit "
+                                "that allows them); this one has " + _cpu_isa())
+        return gemm_bf16_weight_amx_cpp(x, weight, bias)
     return linear_bf16_weight_cpp(x, weight, bias)
+
+
+def _cpu_isa() -> str:
+    from .. import _C
+
+    return _C.cpu_isa()
+
+
+def amx_available() -> bool:
+    """Whether gemm_bf16_weight_amx_cpp runs here (asked each call: tests lower the limit)."""
+    return _cpu_isa() == "amx"
+
+
+def gemm_bf16_weight_amx_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The AMX op without argument checks, for model layers (see linear_bf16_weight_cpp); only
+    where amx_available(). Same contract as linear_bf16_weight."""
+    from .. import _C
+
+    if not x.is_contiguous():
+        x = x.contiguous()
+    K, N = x.shape[-1], weight.shape[0]
+    out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
+    _C.gemm_bf16_weight_amx(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                            out.data_ptr(), x.numel() // K, K, N)
+    return out
 
 
 def linear_bf16_weight_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
