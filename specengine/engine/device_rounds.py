@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.verify import verify
-from ..sampling.batch import InvalidLogitsError, SamplingBatch, logits_all_finite
+from ..sampling.batch import InvalidLogitsError, SamplingBatch, logits_valid
 from .graphs import StepGraphs
 from .runner import to_device
 
@@ -142,12 +142,12 @@ def _round(target_steps: StepGraphs, drafter, layout: _Layout, filters: bool, ve
     sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, filters)
     if G > 0:
         drafts, draft_logits = drafter.draft_phase_in_round(last_two, lengths, real, sampling, G)
-        finite[:, 0] *= logits_all_finite(draft_logits)
+        finite[:, 0] *= logits_valid(draft_logits)
     else:
         drafts, draft_logits = last_two[:, :0], None
     (logits,) = target_steps.forward(torch.cat([last_two[:, 1:], drafts], dim=1),
                                      torch.where(real, lengths - 1, capacity))  # [bucket, G+1, V]
-    finite[:, 1] *= logits_all_finite(logits)
+    finite[:, 1] *= logits_valid(logits)
     emitted, counts = verify(logits, draft_logits, drafts.contiguous(), torch.where(real, G, 0), temperature, top_k,
                              top_p, min_p, seeds, lengths.contiguous(),
                              target_lengths=target_steps.cache.row_lengths(bucket),

@@ -29,7 +29,7 @@ from ..drafters.base import Drafter, Proposal
 from ..layers.parallel import init_tensor_parallel
 from ..models.loader import Model
 from ..ops.verify import IMPLEMENTATIONS, verify
-from ..sampling.batch import SamplingBatch, check_logits, logits_all_finite
+from ..sampling.batch import SamplingBatch, check_logits, logits_valid
 from ..sampling.params import SamplingParams
 from .batch import RunningBatch
 from .device_rounds import RowRounds, rounds_that_fit, run_block
@@ -590,7 +590,7 @@ class Engine:
                 logits = self.target.logits(hidden)  # [B, G+1, V]
         # Checked when the round's results are read, not now (a check is a synchronisation on
         # CUDA); a broken row's tokens are never kept.
-        logit_checks = [(name, t, logits_all_finite(t)) for name, t in (("draft", proposal.logits), ("target", logits))
+        logit_checks = [(name, t, logits_valid(t)) for name, t in (("draft", proposal.logits), ("target", logits))
                         if t is not None]
         # Token i of this round lands at absolute position len(sequence) + i: its uniforms' key.
         # (a round without drafts leaves the draft cache as it is: shorter than the target's)
