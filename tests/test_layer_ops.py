@@ -41,13 +41,11 @@ SHAPES = [  # B, T, H, Hkv, D, capacity, starts
     (5, 9, 8, 1, 64, 32, [0, 4, 9, 1, 23]),  # gamma 8, multi-query attention
     (1, 33, 2, 2, 4, 40, [0]),             # a prefill
     (2, 4, 2, 1, 8, 10, [5, 8]),           # positions past the capacity (padding into the spill slot)
-    # Head sizes 64 and 128 take the grouped AVX-512 path: keys in chunks of 64, two segments per
-    # query, blocks of 16 tokens.
-    (1, 3, 9, 3, 64, 300, [200]),          # SmolLM2's verification of 2 drafts + 1, 4 chunks
-    (2, 20, 4, 2, 64, 160, [0, 100]),      # two blocks of tokens: a prefill and a continuation
-    (3, 2, 4, 1, 128, 200, [62, 127, 150]),  # head size 128, tokens across chunk boundaries
-    (1, 1, 2, 2, 64, 1100, [1000]),        # a long context: 16 chunks
-    (2, 5, 6, 2, 64, 12, [9, 1]),          # padding past the capacity on this path too
+    (1, 3, 9, 3, 64, 300, [200]),          # SmolLM2's verification of 2 drafts + 1
+    (2, 20, 4, 2, 64, 160, [0, 100]),      # a prefill and a continuation
+    (3, 2, 4, 1, 128, 200, [62, 127, 150]),  # head size 128
+    (1, 1, 2, 2, 64, 1100, [1000]),        # a long context
+    (2, 5, 6, 2, 64, 12, [9, 1]),          # padding past the capacity at head size 64
 ]
 
 
@@ -114,8 +112,7 @@ def test_stale_entries_past_a_rows_length_are_never_read(D, capacity, starts):
 
 
 def test_a_rows_attention_does_not_depend_on_the_other_rows():
-    """Bit for bit the same output for a row alone and in a batch with longer and shorter rows
-    (the grouped path's chunks and segments follow each query's own positions)."""
+    """Bit for bit the same output for a row alone and in a batch with longer and shorter rows."""
     T, H, Hkv, D, capacity = 3, 6, 2, 64, 300
     case = attention_case(3, T, H, Hkv, D, capacity, [40, 250, 130])
     together = run("cpp", case, 253)[0]
