@@ -102,7 +102,7 @@ SPECENGINE_AMX void column_blocks(const uint16_t* terms, const uint16_t* w, cons
   _tile_loadconfig(&config);
   const int64_t tile_bytes = (Kp / 2) * 16 * sizeof(uint32_t);
   uint32_t* packed = static_cast<uint32_t*>(std::aligned_alloc(64, 2 * tile_bytes));
-  const uint32_t* packed1 = packed + (Kp / 2) * 16;
+  uint32_t* packed1 = packed + (Kp / 2) * 16;  // the second result tile's columns
   alignas(64) float result[kTileRows * kTileRows];
   const int64_t blocks = (N + kBlockCols - 1) / kBlockCols;
   const int64_t term_stride = Rp * Kp, row_bytes = Kp * sizeof(uint16_t);
@@ -110,11 +110,12 @@ SPECENGINE_AMX void column_blocks(const uint16_t* terms, const uint16_t* w, cons
   for (int64_t block = 0; block < blocks; ++block) {
     const int64_t n0 = block * kBlockCols;
     pack_columns(w, K, Kp, N, n0, packed);
-    pack_columns(w, K, Kp, N, n0 + kTileRows, packed + (Kp / 2) * 16);
+    pack_columns(w, K, Kp, N, n0 + kTileRows, packed1);
     for (int64_t m0 = 0; m0 < Rp; m0 += kTileRows) {
       _tile_zero(0);
       _tile_zero(1);
       const uint16_t* a = terms + m0 * Kp;
+      static_assert(kTerms == 3, "the step below loads and multiplies three terms");
       for (int64_t k = 0; k < Kp; k += kStepK) {
         _tile_loadd(4, packed + (k / 2) * 16, 64);
         _tile_loadd(5, packed1 + (k / 2) * 16, 64);

@@ -73,6 +73,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def _session_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("specengine-cache")
+
+
+@pytest.fixture(scope="module")
+def session_cache(_session_cache):
+    """SPECENGINE_CACHE set, for a module's tests, to one folder of this test session instead of
+    the user's cache: the default target is converted there once for all the modules using it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECENGINE_CACHE", str(_session_cache))
+        yield _session_cache
+
+
 @contextmanager
 def cpu_isa_limit(isa: str):
     """Run specengine._C's ops with at most this instruction set ('amx', 'avx512', 'avx2',

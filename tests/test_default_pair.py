@@ -2,7 +2,6 @@
 without importing the wheel, converted once, lossless through the engine and the CLI, and the
 verify step's output distributed as the target's on its real 49152-token vocabulary."""
 import json
-import os
 import sys
 
 import pytest
@@ -17,20 +16,11 @@ CHAT = [{"role": "user", "content": "Write a Python function that checks whether
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """The default pair, its target converted into a fresh cache (not the user's)."""
+def pair(session_cache):
+    """The default pair, its target converted into this test session's cache (not the user's)."""
     from specengine.shipped import default_pair
 
-    cache = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("SPECENGINE_CACHE")
-    os.environ["SPECENGINE_CACHE"] = str(cache)
-    try:
-        yield default_pair()
-    finally:
-        if old is None:
-            del os.environ["SPECENGINE_CACHE"]
-        else:
-            os.environ["SPECENGINE_CACHE"] = old
+    return default_pair()
 
 
 def test_the_wheel_is_located_not_imported():

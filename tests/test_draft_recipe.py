@@ -25,20 +25,10 @@ def run_recipe(work: Path, out: Path, target: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    import os
-
+def target(session_cache):
     from specengine.shipped import default_target
 
-    old = os.environ.get("SPECENGINE_CACHE")
-    os.environ["SPECENGINE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    try:
-        yield default_target()
-    finally:
-        if old is None:
-            del os.environ["SPECENGINE_CACHE"]
-        else:
-            os.environ["SPECENGINE_CACHE"] = old
+    return default_target()
 
 
 def test_the_recipe_trains_resumes_and_exports_a_lossless_draft(target, tmp_path):

@@ -69,13 +69,7 @@ def gemm_bf16_weight_amx_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     where amx_available(). Same contract as linear_bf16_weight."""
     from .. import _C
 
-    if not x.is_contiguous():
-        x = x.contiguous()
-    K, N = x.shape[-1], weight.shape[0]
-    out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
-    _C.gemm_bf16_weight_amx(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                            out.data_ptr(), x.numel() // K, K, N)
-    return out
+    return _call_cpp(_C.gemm_bf16_weight_amx, x, weight, bias)
 
 
 def linear_bf16_weight_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -83,11 +77,15 @@ def linear_bf16_weight_cpp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     checked (the checks cost more than the product of a small layer). Same contract as above."""
     from .. import _C
 
+    return _call_cpp(_C.linear_bf16_weight, x, weight, bias)
+
+
+def _call_cpp(op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """op(x, weight, bias, out, R, K, N) on raw pointers, out allocated here."""
     # Every torch call costs microseconds here, as much as a small layer's product: no views.
     if not x.is_contiguous():
         x = x.contiguous()
     K, N = x.shape[-1], weight.shape[0]
     out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
-    _C.linear_bf16_weight(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                          x.numel() // K, K, N)
+    op(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.numel() // K, K, N)
     return out
