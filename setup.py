@@ -3,6 +3,8 @@
 The ops take NumPy views of CPU tensors, so building needs neither torch nor a CUDA
 toolkit, and `pip install --no-build-isolation` works on machines without internet.
 """
+from pathlib import Path
+
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
@@ -20,4 +22,17 @@ ext_modules = [
     ),
 ]
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})
+
+class build_ext_kernels_in_place(build_ext):
+    """`setup.py build_ext --inplace` (the fallback where pip cannot install) leaves the tree to be
+    imported as it is; pyproject maps specengine.kernels from kernels/, which a plain import of the
+    tree does not see, so a link specengine/kernels -> ../kernels stands in for that mapping."""
+
+    def run(self):
+        super().run()
+        link = Path(__file__).resolve().parent / "specengine" / "kernels"
+        if self.inplace and not link.exists():
+            link.symlink_to(Path("..") / "kernels", target_is_directory=True)
+
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext_kernels_in_place})

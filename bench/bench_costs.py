@@ -13,17 +13,22 @@
    speedup Theorem 3.8 predicts for the pycode draft proposing to it at the pair's alpha (and the
    cost model's prediction with the measured verification costs). bench_graphs.py --target
    widened measures that speedup end to end. --big-layers sets its depth (0 skips it).
+Results are rewritten after every measurement, so a run cut short keeps what it measured. Each
+model's triton_fallback_reason is recorded (None: the Triton step kernels ran where the model
+takes them, on CUDA); on CUDA a fallback ends the run with exit status 1.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 
 import torch
 
 from specengine import Engine, SamplingParams
-from specengine.benchmark import machine_name
-from specengine.engine.gamma import CostModel, measure_costs, predicted_speedup
+from specengine.devtools.benchmark import machine_name
+from specengine.engine.costs import measure_costs
+from specengine.engine.gamma import CostModel, predicted_speedup
 from specengine.models.widen import widen
 from specengine.shipped import heldout_prompts, shipped_pair
 
@@ -67,6 +72,17 @@ def main():
     target, draft = engine.target, engine.drafter.model
     result = dict(date=datetime.date.today().isoformat(), machine=machine_name(device), torch=torch.__version__,
                   device=device.type)
+    models = dict(target=target, draft=draft)
+
+    def save():
+        """Write the results; on CUDA, stop at the first fallback of the Triton kernels."""
+        for name, model in models.items():
+            result[f"{name}_triton_fallback"] = model.triton_fallback_reason
+        write_json(result, args.out, f"costs-{device.type}-{result['date']}.json")
+        fell = [f"{n}: {m.triton_fallback_reason}" for n, m in models.items() if m.triton_fallback_reason]
+        if fell and device.type == "cuda":
+            print("the Triton step kernels fell back to the torch path: " + "; ".join(fell))
+            sys.exit(1)
 
     costs = {}
     for B in (1, 8):
@@ -76,6 +92,7 @@ def main():
                                               c=cm.draft_step_s / cm.verify_s[0])
         print(f"batch {B}: target ms for k=1..9 tokens {[round(1e3 * t, 2) for t in cm.verify_s]}, "
               f"draft {1e3 * cm.draft_step_s:.2f} ms, c = {cm.draft_step_s / cm.verify_s[0]:.3f}")
+        save()
 
     prompts = heldout_prompts(engine.tokenizer, args.prompts, length=64, start_fraction=1 / 3)
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=8, temperature=0))  # warm-up
@@ -89,9 +106,10 @@ def main():
             print(f"T={T:g} batch {B}: alpha {r['alpha']:.3f}, round {r['round_ms']:.2f} ms = draft {ms['draft']:.2f} + "
                   f"verify {ms['verify']:.2f} + accept {ms['accept']:.2f} + host {ms['host']:.2f} "
                   f"(host {100 * r['host_share']:.1f}%)")
+            save()
 
     if args.big_layers > 0:
-        big = widened_target(target, args.big_layers)
+        big = models["big_target"] = widened_target(target, args.big_layers)
         n_params = sum(p.numel() for p in big.parameters())
         big_costs = measure_costs(big, None, 8, batch_size=1)
         model = CostModel(costs[1].draft_step_s, big_costs.verify_s)
@@ -109,7 +127,7 @@ def main():
         print(f"~{n_params / 1e9:.2f}B target ms for k=1..9 tokens {[round(1e3 * t, 2) for t in big_costs.verify_s]}, "
               f"c = {c:.4f}")
 
-    write_json(result, args.out, f"costs-{device.type}-{result['date']}.json")
+    save()
 
 
 if __name__ == "__main__":

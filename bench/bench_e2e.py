@@ -1,5 +1,5 @@
 """End-to-end decoding benchmark (default: the default pair), results into bench/results/: `specengine bench`
-(specengine/benchmark.py) with bench/results/ as its output folder.
+(specengine/devtools/benchmark.py) with bench/results/ as its output folder.
 
     python bench/bench_e2e.py [--quick] [--prompts 32] [--new-tokens 128] [--repeats 3] [--gammas ...]
 """

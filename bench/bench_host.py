@@ -1,5 +1,5 @@
 """The host's part of a round: torch ops dispatched and reads from the device per round, outside
-graph replays (engine.host_ops), on the fixed-shape path that CUDA graphs replay.
+graph replays (specengine.devtools.host_ops), on the fixed-shape path that CUDA graphs replay.
 
     python bench/bench_host.py [--device cpu|cuda] [--new-tokens 48] [--out bench/results/host-<date>.json]
 
@@ -17,8 +17,8 @@ import datetime
 import torch
 
 from specengine import Engine, SamplingParams
-from specengine.benchmark import machine_name
-from specengine.engine.host_ops import per_round
+from specengine.devtools.benchmark import machine_name
+from specengine.devtools.host_ops import per_round
 from specengine.shipped import shipped_pair
 
 from common import write_json

@@ -19,7 +19,7 @@ import time
 import torch
 
 from specengine import _C, default_pair
-from specengine.benchmark import machine_name
+from specengine.devtools.benchmark import machine_name
 from specengine.models import load_model
 
 from common import write_json

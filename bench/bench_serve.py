@@ -5,14 +5,25 @@ official openai client.
   phase "concurrent":    --clients clients sharing --requests requests;
   phase "soak":          --soak seeded requests over --soak-clients clients; every output is then
                          compared with offline generation (Engine.generate on the same pair), the
-                         server's RSS is read after the 100th and the last, and /health must show
-                         no request and no cache row left.
+                         server's RSS is read at its start, every tenth of it and after the last,
+                         and /health must show no request and no cache row left.
+
+In the soak, --disconnect-fraction of the clients go away before their answer ends: a streamed one
+closes its stream after a random number of chunks, a non-streamed one (--non-streaming-fraction
+of the requests are) closes its connection after a random part of a request's usual time. The
+server has no other way to end a request early: a disconnect is its abort. Then every request that
+stayed must have ended with its seeded offline output, every streamed part a prefix of its offline
+output, and the server must go idle (/health empty, no steps, near no CPU) with its memory flat.
+The soak's verdict is in the JSON and a markdown summary beside it; the script exits 1 if it fails.
 
 Reports total tokens/s, time to first token and time per output token (p50, p99), the gaps
 between streamed chunks, and the server's RSS. Every phase is bounded by --time-limit.
 
   python bench/bench_serve.py                      # the default pair, gamma 2
   python bench/bench_serve.py --soak 1000          # and the 1,000-request soak
+  python bench/bench_serve.py --gamma 2 --soak 1000 --disconnect-fraction 0.2 --non-streaming-fraction 0.25
+  python bench/bench_serve.py --gamma 2 --soak-only --soak 40 --soak-max-tokens 16 --disconnect-fraction 0.3 \
+      --non-streaming-fraction 0.25                # the same in miniature (a minute or two)
 """
 from __future__ import annotations
 
@@ -20,6 +31,7 @@ import argparse
 import asyncio
 import datetime
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -30,12 +42,21 @@ from pathlib import Path
 
 import httpx
 import openai
+import torch
 
 from specengine import Engine, SamplingParams, default_pair
-from specengine.benchmark import machine_name
-from specengine.corpus import heldout_chat_prompts
+from specengine.devtools.benchmark import machine_name
+from specengine.devtools.corpus import heldout_chat_prompts
 
-from common import write_json
+from common import RESULTS, write_json
+
+# What "flat" and "idle" mean for the soak's verdict. The RSS at one moment swings by a few tens of
+# MiB with the prefills under way, against about 1 GiB for the default pair; a leak of a request's
+# state or a cache row per request would grow it by far more over hundreds of requests.
+RSS_GROWTH_LIMIT = 0.05           # RSS after the last request against after the middle one
+IDLE_CPU_LIMIT = 0.05             # the server's CPU, in cores, over IDLE_WINDOW_S after it went idle
+IDLE_WINDOW_S = 3.0
+IDLE_WAIT_S = 60.0                # how long the server may take to end the requests left behind
 
 
 @dataclass
@@ -44,11 +65,21 @@ class Sent:
     max_tokens: int
     temperature: float
     seed: int
+    stream: bool = True
+    # A client that goes away before its answer ends: a streamed one closes its stream after this
+    # many text chunks; a non-streamed one closes its connection after this fraction of a
+    # request's usual time (leave_after_s, set when it is sent).
+    leave_after_chunks: int | None = None
+    leave_at_fraction: float | None = None
+    leave_after_s: float | None = None
+    left: bool = False        # it did go away before the end (else it ended, and stayed)
+    error: str | None = None  # what failed, where the soak keeps going past a failed request
     text: str = ""
     completion_tokens: int = 0
     prompt_tokens: int = 0
     finish_reason: str | None = None
     sent_at: float = 0.0
+    ended_at: float | None = None
     chunk_times: list[float] = field(default_factory=list)
 
     @property
@@ -87,9 +118,17 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
 
 async def send(client: openai.AsyncOpenAI, model: str, request: Sent):
     request.sent_at = time.perf_counter()
+    if not request.stream:
+        await send_unstreamed(client, model, request)
+        request.ended_at = time.perf_counter()
+        return
     stream = await client.completions.create(model=model, prompt=request.prompt, max_tokens=request.max_tokens,
                                              temperature=request.temperature, seed=request.seed, stream=True,
                                              stream_options={"include_usage": True})
+    if request.leave_after_chunks == 0:
+        await stream.close()  # gone before the first token: the request may still be waiting
+        request.left = True
+        return
     async for chunk in stream:
         if chunk.choices:
             choice = chunk.choices[0]
@@ -100,11 +139,36 @@ async def send(client: openai.AsyncOpenAI, model: str, request: Sent):
         if chunk.usage:
             request.completion_tokens = chunk.usage.completion_tokens
             request.prompt_tokens = chunk.usage.prompt_tokens
+        if (request.leave_after_chunks is not None and request.finish_reason is None
+                and len(request.chunk_times) >= request.leave_after_chunks):
+            # Closing a response before its end closes its connection (httpx cannot reuse it):
+            # to the server, the client is gone.
+            await stream.close()
+            request.left = True
+            return
+    request.ended_at = time.perf_counter()
+
+
+async def send_unstreamed(client: openai.AsyncOpenAI, model: str, request: Sent):
+    """One request without streaming; a leaving client cancels it mid-flight, which closes its
+    connection while the server still works on the answer (or has it waiting)."""
+    answer = client.completions.create(model=model, prompt=request.prompt, max_tokens=request.max_tokens,
+                                       temperature=request.temperature, seed=request.seed, stream=False)
+    try:
+        response = await asyncio.wait_for(answer, request.leave_after_s)
+    except asyncio.TimeoutError:
+        request.left = True
+        return
+    choice = response.choices[0]  # no chunks: no time to first token, nor per token
+    request.text, request.finish_reason = choice.text, choice.finish_reason
+    request.completion_tokens, request.prompt_tokens = response.usage.completion_tokens, response.usage.prompt_tokens
 
 
 async def run_phase(base_url: str, model: str, requests: list[Sent], clients: int, deadline: float,
-                    on_done=None) -> tuple[float, int]:
-    """Send the requests over `clients` concurrent clients; (wall seconds, requests completed)."""
+                    on_done=None, before_send=None, keep_going: bool = False) -> tuple[float, int]:
+    """Send the requests over `clients` concurrent clients; (wall seconds, requests sent and ended,
+    answered or not). keep_going: a request that fails is recorded (request.error) and the next
+    sent, instead of ending the phase."""
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
     pending = iter(requests)
     done = 0
@@ -114,7 +178,14 @@ async def run_phase(base_url: str, model: str, requests: list[Sent], clients: in
         for request in pending:
             if time.perf_counter() > deadline:
                 return
-            await send(client, model, request)
+            if before_send is not None:
+                before_send(request)
+            try:
+                await send(client, model, request)
+            except (openai.OpenAIError, httpx.HTTPError) as exc:
+                if not keep_going:
+                    raise
+                request.error = f"{type(exc).__name__}: {exc}"
             done += 1
             if on_done is not None:
                 on_done(done)
@@ -168,6 +239,33 @@ def start_server(args, target, draft, port: int) -> subprocess.Popen:
         time.sleep(0.5)
 
 
+def cpu_description() -> dict:
+    """The CPU as lscpu names it (its model, CPUs, cores per socket, sockets), with the CPUs this
+    process may use; /proc/cpuinfo's model name where lscpu is missing."""
+    out = {"cpus_usable": len(os.sched_getaffinity(0))}
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        lines = []
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    for name, key in (("Model name", "model"), ("CPU(s)", "cpus"), ("Core(s) per socket", "cores_per_socket"),
+                      ("Socket(s)", "sockets"), ("Thread(s) per core", "threads_per_core")):
+        if name in fields:
+            out[key] = fields[name].strip()
+    if "model" not in out:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                out["model"] = line.split(":", 1)[1].strip()
+                break
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) the process has used so far, its threads included."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="target folder (default: the default pair)")
@@ -181,11 +279,23 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--soak", type=int, default=0, help="requests of the soak (0: none)")
+    parser.add_argument("--soak-only", action="store_true", help="the soak alone, without the first two phases")
     parser.add_argument("--soak-clients", type=int, default=8)
     parser.add_argument("--soak-max-tokens", type=int, default=32)
+    parser.add_argument("--disconnect-fraction", type=float, default=0.0,
+                        help="soak requests whose client goes away before the answer ends (default 0)")
+    parser.add_argument("--non-streaming-fraction", type=float, default=0.0,
+                        help="soak requests sent without streaming (default 0: all streamed)")
+    parser.add_argument("--soak-seed", type=int, default=0, help="seeds which clients go away, and when")
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds per phase at most")
-    parser.add_argument("--out", help="JSON path (default bench/results/serve-<date>.json)")
+    parser.add_argument("--out", help="JSON path (default bench/results/serve-<date>.json, serve-soak-<date>.json "
+                                      "with --soak-only); a soak's markdown summary goes beside it")
     args = parser.parse_args()
+    for name in ("disconnect_fraction", "non_streaming_fraction"):
+        if not 0 <= getattr(args, name) <= 1:
+            parser.error(f"--{name.replace('_', '-')} must be between 0 and 1")
+    if args.soak_only and args.soak < 1:
+        parser.error("--soak-only needs --soak N")
 
     target, draft = (args.target, args.draft) if args.target else default_pair()
     offline = Engine.from_pretrained(target, draft, gamma=int(args.gamma) if args.gamma != "auto" else "auto",
@@ -196,64 +306,217 @@ def main():
     base_url = f"http://127.0.0.1:{port}"
     server = start_server(args, target, draft, port)
     result = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "machine": machine_name(),
-              "cpu_count": os.cpu_count(), "target": str(target), "draft": str(draft), "gamma": args.gamma,
-              "max_batch_size": args.max_batch_size, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "cpu": cpu_description(), "cpu_count": os.cpu_count(), "target": str(target), "draft": str(draft),
+              "gamma": args.gamma, "max_batch_size": args.max_batch_size, "max_tokens": args.max_tokens,
+              "temperature": args.temperature, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "phases": []}
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name(0)
     try:
         warm_up = requests_for(prompts, 2, 8, args.temperature, 10**6)
         asyncio.run(run_phase(base_url, "bench", warm_up, 2, time.perf_counter() + 600))
         result["rss_mib_start"] = rss_mib(server.pid)
-        alone = requests_for(prompts, args.sequential, args.max_tokens, args.temperature, 0)
-        together = requests_for(prompts, args.requests, args.max_tokens, args.temperature, 1000)
-        for name, requests, clients in (("one at a time", alone, 1), ("concurrent", together, args.clients)):
-            wall, _ = asyncio.run(run_phase(base_url, "bench", requests, clients,
-                                            time.perf_counter() + args.time_limit))
-            result["phases"].append(summary(name, requests, wall, clients))
-        one, many = result["phases"]
-        result["concurrent_over_one_at_a_time"] = many["tokens_per_s"] / one["tokens_per_s"]
-        print(f"concurrent / one at a time: {result['concurrent_over_one_at_a_time']:.2f}x", flush=True)
+        if not args.soak_only:
+            alone = requests_for(prompts, args.sequential, args.max_tokens, args.temperature, 0)
+            together = requests_for(prompts, args.requests, args.max_tokens, args.temperature, 1000)
+            for name, requests, clients in (("one at a time", alone, 1), ("concurrent", together, args.clients)):
+                wall, _ = asyncio.run(run_phase(base_url, "bench", requests, clients,
+                                                time.perf_counter() + args.time_limit))
+                result["phases"].append(summary(name, requests, wall, clients))
+            one, many = result["phases"]
+            result["concurrent_over_one_at_a_time"] = many["tokens_per_s"] / one["tokens_per_s"]
+            print(f"concurrent / one at a time: {result['concurrent_over_one_at_a_time']:.2f}x", flush=True)
         if args.soak:
             result["soak"] = soak(args, base_url, server, offline, prompts)
         result["rss_mib_end"] = rss_mib(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
-    write_json(result, args.out, f"serve-{datetime.date.today().isoformat()}.json")
+    date = datetime.date.today().isoformat()
+    path = Path(args.out) if args.out else RESULTS / f"serve{'-soak' if args.soak_only else ''}-{date}.json"
+    write_json(result, str(path), path.name)
+    if args.soak:
+        markdown = path.with_suffix(".md")
+        markdown.write_text(soak_markdown(result))
+        print(f"wrote {markdown}")
+        if not result["soak"]["passed"]:
+            sys.exit(1)
+
+
+def plan_departures(requests: list[Sent], args):
+    """Which soak clients stream, which go away before their answer ends, and when (seeded by
+    --soak-seed: a rerun sends the same mix)."""
+    rng = random.Random(args.soak_seed)
+    for request in requests:
+        request.stream = rng.random() >= args.non_streaming_fraction
+        if rng.random() < args.disconnect_fraction:
+            if request.stream:
+                # Up to half the tokens in chunks (a round sends one to gamma + 1 tokens): most
+                # leave before the end, some before the first token.
+                request.leave_after_chunks = rng.randint(0, request.max_tokens // 2)
+            else:
+                request.leave_at_fraction = rng.random()
 
 
 def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
     requests = requests_for(prompts, args.soak, args.soak_max_tokens, args.temperature, 5000)
+    plan_departures(requests, args)
     # The RSS at one moment swings by a few tens of MiB (allocations that come and go with a
     # prefill); the peak so far (VmHWM) is what a leak would raise.
-    rss, peak = {}, {}
+    rss, peak = {0: rss_mib(server.pid)}, {0: rss_mib(server.pid, "VmHWM")}
+    every = max(1, args.soak // 10)
+    middle = args.soak // 2
+
+    def before_send(request: Sent):
+        # A non-streamed client leaves within a request's usual time so far (1 s before any ended):
+        # some while theirs waits for a row, most while it decodes.
+        if request.leave_at_fraction is not None:
+            times = [r.ended_at - r.sent_at for r in requests if r.ended_at is not None]
+            request.leave_after_s = request.leave_at_fraction * (statistics.median(times) if times else 1.0)
 
     def on_done(n):
-        if n % 100 == 0 or n == args.soak:
+        if n % every == 0 or n in (middle, args.soak):
             rss[n], peak[n] = rss_mib(server.pid), rss_mib(server.pid, "VmHWM")
             print(f"  soak: {n} done, server RSS {rss[n]:.0f} MiB, peak {peak[n]:.0f} MiB", flush=True)
 
     wall, done = asyncio.run(run_phase(base_url, "bench", requests, args.soak_clients,
-                                       time.perf_counter() + args.time_limit, on_done))
+                                       time.perf_counter() + args.time_limit, on_done, before_send, keep_going=True))
     out = summary("soak", requests, wall, args.soak_clients)
-    health = httpx.get(base_url + "/health", timeout=10).json()
-    print(f"  offline generation of the {done} requests ...", flush=True)
-    want = offline.generate([r.prompt for r in requests[:done]],
+    idle = wait_until_idle(base_url, server)
+    sent = [r for r in requests if r.sent_at]
+    print(f"  offline generation of the {len(sent)} requests sent ...", flush=True)
+    want = offline.generate([r.prompt for r in sent],
                             [SamplingParams(max_new_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed)
-                             for r in requests[:done]])
-    mismatched = [i for i, (r, w) in enumerate(zip(requests, want))
-                  if r.text != w.text or r.completion_tokens != len(w.token_ids)]
-    # A lost request never ends its stream; a duplicated one would show as text that is not its own.
-    out.update(completed=done, without_finish_reason=sum(r.finish_reason is None for r in requests[:done]),
-               mismatched=len(mismatched),
-               mismatched_first=mismatched[:10], rss_mib_at=rss, peak_rss_mib_at=peak, health_after=health)
+                             for r in sent])
+    stayed = [(i, r, w) for i, (r, w) in enumerate(zip(sent, want)) if not r.left and r.error is None]
+    # A lost request never ends its stream (or its answer); a duplicated one would show as text
+    # that is not its own.
+    lost = [i for i, r, _ in stayed if r.finish_reason is None]
+    mismatched = [i for i, r, w in stayed
+                  if r.finish_reason is not None and (r.text != w.text or r.completion_tokens != len(w.token_ids))]
+    # What a client read before it left was the start of its answer: the batch it left did not
+    # change it, nor did the others leaving.
+    partial = [(i, r, w) for i, (r, w) in enumerate(zip(sent, want)) if r.left and r.stream]
+    not_prefix = [i for i, r, w in partial if not w.text.startswith(r.text)]
+    errors = [(i, r.error) for i, r in enumerate(sent) if r.error is not None]
+    left = [r for r in sent if r.left]
+    out.update(
+        parameters=dict(requests=args.soak, clients=args.soak_clients, max_tokens=args.soak_max_tokens,
+                        disconnect_fraction=args.disconnect_fraction,
+                        non_streaming_fraction=args.non_streaming_fraction, soak_seed=args.soak_seed),
+        completed=done, sent=len(sent), not_sent=args.soak - len(sent),
+        streamed=sum(r.stream for r in sent), non_streamed=sum(not r.stream for r in sent),
+        planned_to_leave=sum(r.leave_after_chunks is not None or r.leave_at_fraction is not None for r in sent),
+        left=len(left), left_streamed=sum(r.stream for r in left),
+        left_before_first_chunk=sum(r.stream and not r.chunk_times for r in left),
+        left_non_streamed=sum(not r.stream for r in left), stayed=len(stayed),
+        without_finish_reason=len(lost), lost_first=lost[:10], mismatched=len(mismatched),
+        mismatched_first=mismatched[:10], partial_not_prefix=len(not_prefix),
+        partial_not_prefix_first=not_prefix[:10], errors=len(errors), errors_first=errors[:5],
+        rss_mib_at=rss, peak_rss_mib_at=peak, **idle)
+    out["rss_mib_start"], out["rss_mib_middle"], out["rss_mib_end"] = rss[0], rss.get(middle), rss.get(done)
+    if out["rss_mib_middle"] and out["rss_mib_end"]:
+        out["rss_growth_middle_to_end"] = out["rss_mib_end"] / out["rss_mib_middle"] - 1
+        out["peak_rss_growth_middle_to_end"] = peak[done] / peak[middle] - 1
     if 100 in rss and args.soak in rss:
         out["rss_growth_100_to_last"] = rss[args.soak] / rss[100] - 1
         out["peak_rss_growth_100_to_last"] = peak[args.soak] / peak[100] - 1
-    print(f"  soak: {done}/{args.soak} completed, {len(mismatched)} differ from offline generation; RSS "
-          f"{rss.get(100, float('nan')):.0f} -> {rss.get(args.soak, float('nan')):.0f} MiB, peak "
-          f"{peak.get(100, float('nan')):.0f} -> {peak.get(args.soak, float('nan')):.0f} MiB "
-          f"(after the 100th and the last); /health after: {health}", flush=True)
+    health = idle["health_after"]
+    empty = health is not None and health["running"] == health["waiting"] == health["cache_rows_in_use"] == 0
+    out["checks"] = checks = {
+        "all_sent": out["not_sent"] == 0,
+        "no_errors": not errors,
+        "none_lost": not lost,
+        "outputs_equal_offline": not mismatched,
+        "partial_outputs_are_prefixes": not not_prefix,
+        "memory_flat": out.get("rss_growth_middle_to_end", 0.0) <= RSS_GROWTH_LIMIT,
+        "server_idle": empty,
+        "no_steps_when_idle": idle["steps_while_idle"] == 0,
+        "cpu_idle": idle["idle_cpu_cores"] is not None and idle["idle_cpu_cores"] <= IDLE_CPU_LIMIT,
+    }
+    out["passed"] = all(checks.values())
+    print(f"  soak: {len(sent)}/{args.soak} sent, {len(left)} left early ({out['left_streamed']} streamed, "
+          f"{out['left_non_streamed']} not), {len(stayed)} stayed: {len(lost)} lost, {len(mismatched)} differ from "
+          f"offline generation, {len(not_prefix)} partial outputs not a prefix of offline, {len(errors)} errors; "
+          f"RSS {rss[0]:.0f} -> {rss.get(middle, float('nan')):.0f} -> {rss.get(done, float('nan')):.0f} MiB "
+          f"(start, middle, end), peak {peak.get(done, float('nan')):.0f} MiB; idle after "
+          f"{idle['seconds_to_idle']} s, CPU {idle['idle_cpu_cores']} cores over {IDLE_WINDOW_S:g} s; "
+          f"/health after: {health}", flush=True)
+    failed = [name for name, ok in checks.items() if not ok]
+    print(f"  soak: {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}", flush=True)
     return out
+
+
+def wait_until_idle(base_url: str, server) -> dict:
+    """Wait (up to IDLE_WAIT_S) for /health to show no request and no cache row, then measure the
+    server's CPU over IDLE_WINDOW_S without asking it anything: a driver left spinning, or a step
+    loop that never sleeps, shows there, and as steps counted while nothing ran."""
+    start = time.perf_counter()
+    health = None
+    while time.perf_counter() - start < IDLE_WAIT_S:
+        try:
+            health = httpx.get(base_url + "/health", timeout=10).json()
+        except httpx.HTTPError:
+            health = None
+        if health and health["running"] == health["waiting"] == health["cache_rows_in_use"] == 0:
+            break
+        time.sleep(0.2)
+    seconds_to_idle = round(time.perf_counter() - start, 2)
+    cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
+    time.sleep(IDLE_WINDOW_S)
+    cpu = (cpu_seconds(server.pid) - cpu0) / (time.perf_counter() - t0)
+    after = httpx.get(base_url + "/health", timeout=10).json()
+    steps = after["steps"] - health["steps"] if health else None
+    return dict(seconds_to_idle=seconds_to_idle, idle_cpu_cores=round(cpu, 4), steps_while_idle=steps,
+                health_after=after, rss_mib_idle=rss_mib(server.pid))
+
+
+def soak_markdown(result: dict) -> str:
+    """The soak's record: machine, date, parameters, what happened, and its verdict."""
+    s, cpu = result["soak"], result["cpu"]
+    nan = float("nan")
+    cores = (f"{cpu.get('cpus', '?')} CPUs ({cpu.get('sockets', '?')} socket(s) x {cpu.get('cores_per_socket', '?')} "
+             f"cores x {cpu.get('threads_per_core', '?')} threads), {cpu['cpus_usable']} usable")
+    lines = [
+        f"# The serving soak, {result['date']}",
+        "",
+        f"- Machine: {cpu.get('model', 'unknown CPU')}, {cores}; torch sees: {result['machine']}"
+        + (f"; GPU {result['gpu']}" if result.get("gpu") else ""),
+        f"- Command: `{result['command']}`",
+        f"- Pair: {result['target']} / {result['draft']}, gamma {result['gamma']}, "
+        f"max batch {result['max_batch_size']}",
+        f"- {s['sent']} of {s['sent'] + s['not_sent']} requests sent over {s['clients']} clients, "
+        f"{s['parameters']['max_tokens']} new tokens at most, T={result['temperature']:g}, each seeded; "
+        f"{s['streamed']} streamed, {s['non_streamed']} not",
+        f"- Clients going away: {s['parameters']['disconnect_fraction']:g} of them planned (seed "
+        f"{s['parameters']['soak_seed']}), a streamed one after 0 to max_tokens / 2 chunks, a non-streamed one "
+        "within a request's usual time",
+        "",
+        "| measure | value |",
+        "| --- | --- |",
+        f"| left early (planned {s['planned_to_leave']}) | {s['left']}: {s['left_streamed']} streamed "
+        f"({s['left_before_first_chunk']} before the first chunk), {s['left_non_streamed']} not streamed |",
+        f"| stayed | {s['stayed']} |",
+        f"| lost (no finish reason) | {s['without_finish_reason']} |",
+        f"| differ from offline generation | {s['mismatched']} |",
+        f"| partial outputs not a prefix of offline | {s['partial_not_prefix']} |",
+        f"| errors | {s['errors']} |",
+        f"| throughput | {s['tokens']} tokens in {s['wall_s']:.1f} s = {s['tokens_per_s']:.1f} tok/s |",
+        f"| server RSS start / middle / end / idle | {s['rss_mib_start']:.0f} / {s['rss_mib_middle'] or nan:.0f} / "
+        f"{s['rss_mib_end'] or nan:.0f} / {s['rss_mib_idle']:.0f} MiB |",
+        f"| RSS growth middle to end (limit {RSS_GROWTH_LIMIT:.0%}) | {s.get('rss_growth_middle_to_end', nan):+.1%} "
+        f"(peak {s.get('peak_rss_growth_middle_to_end', nan):+.1%}) |",
+        f"| idle after the last request | {s['seconds_to_idle']} s; then {s['idle_cpu_cores']} cores of CPU over "
+        f"{IDLE_WINDOW_S:g} s (limit {IDLE_CPU_LIMIT}), {s['steps_while_idle']} steps |",
+        f"| /health at the end | {s['health_after']} |",
+        "",
+        "Checks: " + ", ".join(f"{name} {'yes' if ok else 'NO'}" for name, ok in s["checks"].items()),
+        "",
+        f"Verdict: {'passed' if s['passed'] else 'FAILED'}.",
+    ]
+    if s["errors_first"]:
+        lines += ["", "First errors:", *(f"- request {i}: {e}" for i, e in s["errors_first"])]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The decode step: kernels launched per decoder layer, and the replayed step against its weight-read floor.
 
     python bench/bench_step.py [--device cuda] [--batches 1 8] [--widened-layers 22] [--out step.json]
+        [--models draft target widened] [--paths triton torch torch.compile]
 
 Models: the shipped draft, the shipped target, and the shipped target widened to about 1B
 parameters (models.widen), in bfloat16 on CUDA (float32 on a CPU). Paths:
@@ -13,22 +14,25 @@ Per model, path and batch size:
   - launches per decoder layer: the CUDA kernels of one eager step (torch profiler), the step of the
     model cut to one layer subtracted, over the other layers; on a CPU, the torch ops the step
     dispatches (a proxy: there every op is a call, not a launch);
-  - the step's median milliseconds at 64 cached tokens, replayed from a CUDA graph (engine.graphs;
+  - the step's median milliseconds at 64 cached tokens, replayed from a CUDA graph (steps.graphs;
     compiled on its own for torch.compile; eager on a CPU);
   - the bytes of its weights, this device's copy bandwidth, the floor (bytes / bandwidth) and the
     step's ratio to it.
-Results are written after every model, so a run cut short keeps what it measured.
+Results are written after every row, so a run cut short keeps what it measured. Each model records
+its triton_fallback_reason after the "triton" rows (None: the kernels ran); on CUDA a fallback ends
+the run with exit status 1, since those rows then timed the torch path.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 
 import torch
 
-from specengine.benchmark import machine_name
-from specengine.engine.graphs import StepGraphs
-from specengine.engine.host_ops import HostOps
+from specengine.devtools.benchmark import machine_name
+from specengine.devtools.host_ops import HostOps
+from specengine.steps.graphs import FixedShapeSteps
 from specengine.models.loader import load_model
 from specengine.shipped import shipped_pair
 
@@ -75,7 +79,7 @@ def launches_per_layer(model, batch: int) -> float:
 
 
 def step_ms(model, batch: int, compiled: bool, reps: int = 50) -> float:
-    """Median ms of a one-token step at CACHED positions: replayed (StepGraphs), or compiled."""
+    """Median ms of a one-token step at CACHED positions: replayed (FixedShapeSteps), or compiled."""
     if compiled:
         tokens, cache = step_inputs(model, batch)
         start = cache.lengths.clone()
@@ -83,7 +87,7 @@ def step_ms(model, batch: int, compiled: bool, reps: int = 50) -> float:
                            fullgraph=False)
         call = lambda: fn(tokens, start)  # noqa: E731
     else:
-        steps = StepGraphs(model, batch, 256)
+        steps = FixedShapeSteps(model, batch, 256)
         steps.new_batch(batch)
         tokens = torch.zeros(batch, 1, dtype=torch.int64, device=model.device)
         start = torch.full((batch,), CACHED, dtype=torch.int64, device=model.device)
@@ -99,6 +103,10 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--widened-layers", type=int, default=22, help="0 leaves the widened target out")
+    parser.add_argument("--models", nargs="+", choices=("draft", "target", "widened"),
+                        default=["draft", "target", "widened"])
+    parser.add_argument("--paths", nargs="+", choices=("triton", "torch", "torch.compile"),
+                        help="default: triton, torch and torch.compile on CUDA; torch on a CPU")
     parser.add_argument("--out", help="JSON path (default bench/results/step-<device>-<date>.json)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -109,29 +117,41 @@ def main():
     result = dict(machine=machine_name(device), date=datetime.date.today().isoformat(), torch=torch.__version__,
                   dtype=str(dtype).removeprefix("torch."), copy_bandwidth_gb_s=bandwidth / 1e9, models={})
     print(f"# {result['machine']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; {result['dtype']}")
-    models = {"shipped draft": lambda: load_model(draft_dir, device, dtype),
-              "shipped target": lambda: load_model(target_dir, device, dtype)}
-    if args.widened_layers:
+    models = {}
+    if "draft" in args.models:
+        models["shipped draft"] = lambda: load_model(draft_dir, device, dtype)
+    if "target" in args.models:
+        models["shipped target"] = lambda: load_model(target_dir, device, dtype)
+    if args.widened_layers and "widened" in args.models:
         models["widened target"] = lambda: widened_target(load_model(target_dir, device, dtype), args.widened_layers)
     out_name = f"step-{device.type}-{result['date']}.json"
+    save = lambda: write_json(result, args.out, out_name)  # noqa: E731
+    paths = args.paths or (["triton", "torch", "torch.compile"] if on_cuda else ["torch"])
     loaded = {}
-    passes = [(["triton", "torch"] if on_cuda else ["torch"], args.batches)]
-    if on_cuda:
+    # torch.compile last, at the first batch size only: compiling takes the longest.
+    passes = [([p for p in paths if p != "torch.compile"], args.batches)]
+    if "torch.compile" in paths:
         passes.append((["torch.compile"], args.batches[:1]))
+    fell_back = []
     for paths, batches in passes:
         for name, make in models.items():
             model = loaded[name] = loaded.get(name) or make()
-            measure(model, name, paths, batches, bandwidth, result)
-            write_json(result, args.out, out_name)
+            fell_back += measure(model, name, paths, batches, bandwidth, result, save)
+    if fell_back and on_cuda:
+        print("the Triton step kernels fell back to the torch path for: " + ", ".join(fell_back))
+        return 1
+    return 0
 
 
-def measure(model, name: str, paths: list[str], batches: list[int], bandwidth: float, result: dict):
+def measure(model, name: str, paths: list[str], batches: list[int], bandwidth: float, result: dict, save) -> list[str]:
+    """Rows of one model on the given paths; returns [name] if its Triton kernels fell back."""
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     floor_ms = 1e3 * weight_bytes / bandwidth
     rows = result["models"].setdefault(name, dict(layers=model.config.num_layers, weight_bytes=weight_bytes,
                                                   floor_ms=floor_ms, paths={}))
     for path in paths:
-        model.triton_kernels = path == "triton"
+        # "torch" and "torch.compile" rows: the torch backend on CUDA, the default (C++) one on a CPU
+        model.use_backend("triton" if path == "triton" else "torch" if model.device.type == "cuda" else None)
         entry = rows["paths"][path] = {}
         for batch in batches:
             try:
@@ -140,15 +160,20 @@ def measure(model, name: str, paths: list[str], batches: list[int], bandwidth: f
             except Exception as e:  # noqa: BLE001 (a path that fails is reported, the others still run)
                 entry[str(batch)] = dict(error=f"{type(e).__name__}: {e}"[:500])
                 print(f"{name:15s} {path:13s} batch {batch}: {entry[str(batch)]['error']}", flush=True)
+                save()
                 continue
             entry[str(batch)] = dict(launches_per_layer=per_layer, step_ms=ms, ratio_to_floor=ms / floor_ms)
             shown = "" if per_layer is None else f"{per_layer:5.1f} launches/layer, "
             print(f"{name:15s} {path:13s} batch {batch}: {shown}{ms:8.3f} ms/step "
                   f"({ms / floor_ms:.1f}x the {floor_ms:.3f} ms floor)", flush=True)
+            if path == "triton":
+                rows["triton_fallback_reason"] = model.triton_fallback_reason
+            save()
         if path == "triton" and model.triton_fallback_reason:  # its rows then measured the torch path
-            rows["triton_fallback_reason"] = model.triton_fallback_reason
             print(f"{name}: the Triton kernels fell back to the torch path: {model.triton_fallback_reason}")
+            return [name]
+    return []
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,7 +9,7 @@ both with T5's 32128-token vocabulary. Random models agree on few greedy tokens,
 says nothing of trained T5s: the paper's own c (T5-small for T5-XXL, Table 4) is printed beside.
 
 Two parts, each configuration interleaved with the others and the median of the repeats kept:
-1. `specengine bench` on the pair (specengine.benchmark): HF generate alone and assisted, the
+1. `specengine bench` on the pair (specengine.devtools.benchmark): HF generate alone and assisted, the
    eager loop, specengine target-only, with the draft at each gamma and "auto", and n-gram lookup
    in the encoder input.
 2. The loop's own cost, on the same T5-base-like target, batch 1, greedy:
@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 
 from specengine import Engine, SamplingParams
-from specengine.benchmark import BenchOptions, hf_decode, machine_name, run_benchmark
-from specengine.drafters.base import Proposal
+from specengine.devtools.benchmark import BenchOptions, hf_decode, machine_name, run_benchmark
+from specengine.devtools.tiny import make_t5_config, save_random_t5_checkpoint, train_tokenizer
+from specengine.drafters.base import Drafter, Proposal
 from specengine.drafters.model import ModelDrafter
 from specengine.shipped import heldout_prompts
-from specengine.tiny import make_t5_config, save_random_t5_checkpoint, train_tokenizer
 
 SHAPES = {
     "t5-small-like": dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8),
@@ -61,7 +61,7 @@ def make_pair(work: Path) -> dict[str, Path]:
     return folders
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts each row's recorded continuation (the target's greedy output for its encoder input):
     q is one-hot and no model runs, so every draft is accepted at no draft cost."""
 
@@ -80,10 +80,6 @@ class OracleDrafter:
         G = max(len(d) for d in drafts)
         tokens = torch.tensor([d + [0] * (G - len(d)) for d in drafts], dtype=torch.int64)
         return Proposal(tokens, torch.tensor([len(d) for d in drafts]), None, draft_calls=0)
-
-    @property
-    def cache_lengths(self):
-        return None
 
     def keep_rows(self, rows):
         self.rows = [self.rows[i] for i in rows]

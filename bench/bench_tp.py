@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from specengine import Engine, SamplingParams
-from specengine.benchmark import machine_name
+from specengine.devtools.benchmark import machine_name
 from specengine.models.loader import load_model
 from specengine.shipped import shipped_pair
 

@@ -1,7 +1,8 @@
 """Verify-step benchmark: the torch reference, the fused C++ op (CPU), the Triton kernel and the
 previous one-program-per-row Triton kernel (GPU), side by side.
 
-    python bench/bench_verify.py [--quick] [--device cuda] [--out bench/results/verify-<device>-<date>.csv]
+    python bench/bench_verify.py [--quick | --goals] [--device cuda] [--impls reference triton]
+        [--out bench/results/verify-<device>-<date>.csv]
 
 Per case (B, G, V, logit dtype, warp): median microseconds per call, called eagerly and, for the
 Triton kernel, replayed from a CUDA graph (how the engine runs it: its launches' host time gone;
@@ -9,7 +10,9 @@ the previous kernel is one launch, the reference is not graph-safe); the bytes
 one read of the target and draft logits takes, this device's measured copy bandwidth, the memory
 floor (bytes / bandwidth) and the ratio to it. Rows sample at temperature 1, alone ("T=1": the
 engine then passes filters=False), with top-k 50 or with top-p 0.9; drafts are drawn from q and
-uniforms come from Philox inside the op. --quick: the CPU-sized grid for the C++ op.
+uniforms come from Philox inside the op. --quick: the CPU-sized grid for the C++ op. --goals: only
+the cases the GPU goals name (B=1 G=4 V=32000 and B=64 G=4 V=128256, temperature 1 alone, float32
+logits: the engine's call), for bench/gpu_check.sh.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from specengine.benchmark import machine_name
+from specengine.devtools.benchmark import machine_name
 from specengine.ops.verify import verify
 from specengine.sampling.warp import sample_from_probs, warp_probs
 
@@ -31,11 +34,14 @@ WARPS = {"T=1": dict(top_k=0, top_p=1.0), "top-k 50": dict(top_k=50, top_p=1.0),
 # logit dtypes; then the rest of the grid at temperature 1 in float32.
 WARPED_SHAPES = [(1, 4, 32000), (1, 4, 128256), (64, 4, 128256), (8, 4, 151936)]
 SHAPES = [(B, G, V) for B in (1, 8, 64) for G in (1, 4, 8) for V in (32000, 128256)] + [(B, 4, 151936) for B in (1, 64)]
+GOAL_SHAPES = [(1, 4, 32000), (64, 4, 128256)]
 QUICK_SHAPES = [(1, 4, 32000), (8, 5, 32000), (8, 1, 32000), (8, 8, 32000), (64, 4, 32000), (8, 4, 128256),
                 (8, 4, 151936)]
 
 
-def cases(quick: bool):
+def cases(quick: bool, goals: bool = False):
+    if goals:
+        return [(B, G, V, torch.float32, "T=1") for B, G, V in GOAL_SHAPES]
     if quick:
         return [(B, G, V, torch.float32, "T=1") for B, G, V in QUICK_SHAPES] + [(8, 5, 32000, torch.float32, "top-p 0.9")]
     warped = [(B, G, V, dtype, warp) for B, G, V in WARPED_SHAPES for dtype in (torch.float32, torch.bfloat16)
@@ -87,12 +93,16 @@ def implementations(device):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a CPU-sized grid")
+    parser.add_argument("--goals", action="store_true", help="only the cases the GPU goals name")
+    parser.add_argument("--impls", nargs="+", help="implementations to time (default: all this device has)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--budget", type=float, help="seconds of calls per timing (default 0.25 on a GPU, 1 on CPU)")
     parser.add_argument("--out", help="CSV path (default bench/results/verify-<device>-<date>.csv)")
     args = parser.parse_args()
     device = torch.device(args.device)
     impls = implementations(device)
+    if args.impls:
+        impls = {name: fn for name, fn in impls.items() if name in args.impls or name == "reference"}
     machine = machine_name(device)
     date = datetime.date.today().isoformat()
     bandwidth = copy_bandwidth(device)
@@ -101,7 +111,7 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     budget_s = args.budget or (0.25 if device.type == "cuda" else 1.0)
     rows = []
-    for B, G, V, dtype, warp in cases(args.quick):
+    for B, G, V, dtype, warp in cases(args.quick, args.goals):
         inputs = make_inputs(B, G, V, dtype, warp, device)
         filters = warp != "T=1"
         logit_bytes = (inputs[0].numel() + inputs[1].numel()) * inputs[0].element_size()

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from specengine import Engine, SamplingParams
-from specengine.benchmark import machine_name, rotated
+from specengine.devtools.benchmark import machine_name, rotated
 from specengine.drafters.model import ModelDrafter
-from specengine.engine.gamma import measure_costs
+from specengine.engine.costs import measure_costs
 from specengine.shipped import heldout_prompts, shipped_pair
 
 from common import RESULTS

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: the results folder, synchronisation, timing, the device's
 copy bandwidth (the memory floors' yardstick), the JSON writer (the machine's name is
-specengine.benchmark.machine_name)."""
+specengine.devtools.benchmark.machine_name)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""gamma="auto"'s choices scored without timing noise (specengine.replay): its rounds replayed on
+"""gamma="auto"'s choices scored without timing noise (specengine.devtools.replay): its rounds replayed on
 the shipped pair's acceptance along held-out prompts, with measured step costs as the clock.
 
     python bench/simulate_auto_gamma.py [--prompts 16] [--new-tokens 128] [--seeds 200] [--temperatures 0 1]
@@ -6,7 +6,7 @@ the shipped pair's acceptance along held-out prompts, with measured step costs a
 
 The target decodes each prompt (target-only, as bench_e2e's prompts); both models then score each
 sequence in one forward, which gives every position's acceptance probability; every fixed gamma
-and gamma="auto" decode the traces again (specengine.replay.replay), mean over seeds.
+and gamma="auto" decode the traces again (specengine.devtools.replay.replay), mean over seeds.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import argparse
 import statistics
 
 from specengine import Engine, SamplingParams
-from specengine.engine.gamma import measure_costs
-from specengine.replay import acceptance_along, replay_mean
+from specengine.devtools.replay import acceptance_along, replay_mean
+from specengine.engine.costs import measure_costs
 from specengine.shipped import heldout_prompts, shipped_pair
 
 

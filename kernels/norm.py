@@ -4,7 +4,7 @@ With a delta, the residual stream x becomes x + delta in place (rounded to x's d
 torch sum is) and the norm reads that sum; without, it only normalises. Numerics as
 transformers': normalise in float32, round to the input dtype, then multiply by the weight.
 Oracle: specengine.ops.norm.rms_norm_reference (after x + delta). Host side: specengine.ops.norm
-validates (impl "triton"); the model's layers call add_rms_norm_triton directly.
+validates and dispatches (impl "triton"), for the model and the tests alike.
 """
 from __future__ import annotations
 

@@ -447,41 +447,41 @@ def _floor_kernel(
 @triton.jit
 def _row_warp(r, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr, tile_z_ptr, tile_zk_ptr, cut_ptr, floor_ptr,
               tile_z2_ptr, T, filters, TILES: tl.constexpr):
-    """(max, argmax, cut, z1, floor, z2): everything _prob needs of logit row r."""
-    row_max, argmax, z1 = _row_z1(tile_max_ptr, tile_arg_ptr, tile_z_ptr, tile_zk_ptr, r, T, t, uses_top_k, TILES)
+    """(max, argmax, cut, exp_sum, floor, floor_mass): everything _prob needs of logit row r."""
+    row_max, argmax, exp_sum = _row_z1(tile_max_ptr, tile_arg_ptr, tile_z_ptr, tile_zk_ptr, r, T, t, uses_top_k, TILES)
     cut = -float("inf")
     floor = 0.0
-    z2 = 1.0
+    floor_mass = 1.0
     if (filters != 0) & (greedy == 0):
         cut = tl.load(cut_ptr + r)
         floor = tl.load(floor_ptr + r)
         if floor > 0.0:
-            z2 = _tile_sum(tile_z2_ptr, r, T, TILES)
-    return row_max, argmax, cut, z1, floor, z2
+            floor_mass = _tile_sum(tile_z2_ptr, r, T, TILES)
+    return row_max, argmax, cut, exp_sum, floor, floor_mass
 
 
 @triton.jit
-def _prob(x, index, greedy, row_max, argmax, t, cut, z1, floor, z2):
-    """Warped probability of logits x at vocabulary indices `index` (blocks or scalars)."""
+def _prob(x, index, greedy, t, warp):
+    """Warped probability of logits x at vocabulary indices `index` (blocks or scalars); warp is
+    the row's _row_warp."""
+    row_max, argmax, cut, exp_sum, floor, floor_mass = warp
     s = (x - row_max) / t
-    p = tl.where(s >= cut, tl.exp(s) / z1, 0.0)
-    p = tl.where((p >= floor) & (p > 0.0), p / z2, 0.0)
+    p = tl.where(s >= cut, tl.exp(s) / exp_sum, 0.0)
+    p = tl.where((p >= floor) & (p > 0.0), p / floor_mass, 0.0)
     return tl.where(greedy, tl.where(index == argmax, 1.0, 0.0), p)
 
 
 @triton.jit
-def _final_masses(p_row, q_row, idx, V, rejected, one_hot_token, greedy, t, pw, qw, HAS_DRAFT: tl.constexpr):
+def _final_masses(p_row, q_row, idx, V, rejected, one_hot_token, greedy, t, p_warp, q_warp,
+                  HAS_DRAFT: tl.constexpr):
     """(p, mass of the final distribution) on vocabulary indices idx at a row's deciding position:
     max(0, p - q) after a rejection, else p (0 outside the vocabulary)."""
     valid = idx < V
-    pm, pa, pc, pz1, pf, pz2 = pw
-    p = _prob(tl.load(p_row + idx, mask=valid, other=-float("inf")).to(tl.float32), idx, greedy, pm, pa, t, pc, pz1,
-              pf, pz2)
+    p = _prob(tl.load(p_row + idx, mask=valid, other=-float("inf")).to(tl.float32), idx, greedy, t, p_warp)
     p = tl.where(valid, p, 0.0)
     if HAS_DRAFT:
-        qm, qa, qc, qz1, qf, qz2 = qw
-        q = _prob(tl.load(q_row + idx, mask=valid & rejected, other=-float("inf")).to(tl.float32), idx, greedy,
-                  qm, qa, t, qc, qz1, qf, qz2)
+        q = _prob(tl.load(q_row + idx, mask=valid & rejected, other=-float("inf")).to(tl.float32), idx, greedy, t,
+                  q_warp)
     else:
         q = tl.where(idx == one_hot_token, 1.0, 0.0)
     residual = tl.where(valid & rejected, tl.maximum(p - q, 0.0), 0.0)
@@ -496,16 +496,16 @@ def _deciding_position(b, n, drafts, B, G, target_ptr, draft_ptr, tokens_ptr, gr
     """(p row, q row, rejected, one-hot draft token, p's warp, q's warp) at row b's position n."""
     rejected = n < drafts
     p_row = target_ptr + b * stride_tb + n * stride_tg
-    pw = _row_warp(b * (G + 1) + n, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr, tile_z_ptr, tile_zk_ptr,
+    p_warp = _row_warp(b * (G + 1) + n, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr, tile_z_ptr, tile_zk_ptr,
                    cut_ptr, floor_ptr, tile_z2_ptr, T, filters, TILES)
     q_row = draft_ptr + b * stride_db + tl.minimum(n, G - 1) * stride_dg
-    qw = pw
+    q_warp = p_warp
     if HAS_DRAFT:
         if rejected:
-            qw = _row_warp(B * (G + 1) + b * G + n, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr, tile_z_ptr,
+            q_warp = _row_warp(B * (G + 1) + b * G + n, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr, tile_z_ptr,
                            tile_zk_ptr, cut_ptr, floor_ptr, tile_z2_ptr, T, filters, TILES)
     token = tl.load(tokens_ptr + b * G + tl.minimum(n, G - 1), mask=rejected, other=-1)
-    return p_row, q_row, rejected, token, pw, qw
+    return p_row, q_row, rejected, token, p_warp, q_warp
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
@@ -536,18 +536,16 @@ def _decide_kernel(
     going = drafts > 0
     while going:
         x_tok = tl.load(tokens_ptr + b * G + n)
-        pm, pa, pc, pz1, pf, pz2 = _row_warp(b * G1 + n, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr,
-                                             tile_z_ptr, tile_zk_ptr, cut_ptr, floor_ptr, tile_z2_ptr, T, filters,
-                                             TILES)
+        p_warp = _row_warp(b * G1 + n, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr, tile_z_ptr, tile_zk_ptr,
+                           cut_ptr, floor_ptr, tile_z2_ptr, T, filters, TILES)
         p_row = target_ptr + b * stride_tb + n * stride_tg
-        p_x = _prob(tl.load(p_row + x_tok).to(tl.float32), x_tok, greedy, pm, pa, t, pc, pz1, pf, pz2)
+        p_x = _prob(tl.load(p_row + x_tok).to(tl.float32), x_tok, greedy, t, p_warp)
         q_x = 1.0
         if HAS_DRAFT:
-            qm, qa, qc, qz1, qf, qz2 = _row_warp(B * G1 + b * G + n, greedy, t, uses_top_k, tile_max_ptr,
-                                                 tile_arg_ptr, tile_z_ptr, tile_zk_ptr, cut_ptr, floor_ptr,
-                                                 tile_z2_ptr, T, filters, TILES)
+            q_warp = _row_warp(B * G1 + b * G + n, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr, tile_z_ptr,
+                               tile_zk_ptr, cut_ptr, floor_ptr, tile_z2_ptr, T, filters, TILES)
             q_row = draft_ptr + b * stride_db + n * stride_dg
-            q_x = _prob(tl.load(q_row + x_tok).to(tl.float32), x_tok, greedy, qm, qa, t, qc, qz1, qf, qz2)
+            q_x = _prob(tl.load(q_row + x_tok).to(tl.float32), x_tok, greedy, t, q_warp)
         if HAS_UNIFORMS:
             u = tl.load(u_accept_ptr + b * G1 + n)
         else:
@@ -559,7 +557,7 @@ def _decide_kernel(
             n += 1
         going = accepted & (n < drafts)
 
-    p_row, q_row, rejected, token, pw, qw = _deciding_position(
+    p_row, q_row, rejected, token, p_warp, q_warp = _deciding_position(
         b, n, drafts, B, G, target_ptr, draft_ptr, tokens_ptr, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr,
         tile_z_ptr, tile_zk_ptr, cut_ptr, floor_ptr, tile_z2_ptr, stride_tb, stride_tg, stride_db, stride_dg, T,
         filters, HAS_DRAFT, TILES)
@@ -567,8 +565,8 @@ def _decide_kernel(
     residual_mass = 0.0
     start0 = tile * TILE
     for start in range(start0, tl.minimum(start0 + TILE, V), BLOCK):
-        p, residual = _final_masses(p_row, q_row, start + tl.arange(0, BLOCK), V, rejected, token, greedy, t, pw, qw,
-                                    HAS_DRAFT)
+        p, residual = _final_masses(p_row, q_row, start + tl.arange(0, BLOCK), V, rejected, token, greedy, t,
+                                    p_warp, q_warp, HAS_DRAFT)
         p_mass += tl.sum(p, 0)
         residual_mass += tl.sum(residual, 0)
     tl.store(tile_mass_ptr + b * T + tile, p_mass)
@@ -635,7 +633,7 @@ def _sample_kernel(
         chosen_tile = last_tile
         before = running
 
-    p_row, q_row, rejected, token, pw, qw = _deciding_position(
+    p_row, q_row, rejected, token, p_warp, q_warp = _deciding_position(
         b, n, drafts, B, G, target_ptr, draft_ptr, tokens_ptr, greedy, t, uses_top_k, tile_max_ptr, tile_arg_ptr,
         tile_z_ptr, tile_zk_ptr, cut_ptr, floor_ptr, tile_z2_ptr, stride_tb, stride_tg, stride_db, stride_dg, T,
         filters, HAS_DRAFT, TILES)
@@ -645,7 +643,7 @@ def _sample_kernel(
     start0 = chosen_tile * TILE
     for start in range(start0, tl.minimum(start0 + TILE, V), BLOCK):
         idx = start + tl.arange(0, BLOCK)
-        p, residual = _final_masses(p_row, q_row, idx, V, rejected, token, greedy, t, pw, qw, HAS_DRAFT)
+        p, residual = _final_masses(p_row, q_row, idx, V, rejected, token, greedy, t, p_warp, q_warp, HAS_DRAFT)
         mass = tl.where(use_residual, residual, p)
         cdf = running + tl.cumsum(mass, 0)
         chosen = tl.minimum(chosen, tl.min(tl.where((cdf > threshold) & (mass > 0.0), idx, V), 0))

@@ -2,7 +2,7 @@
 
     python recipes/evaluate_smollm2_draft.py [--prompts 12] [--new-tokens 96]
 
-On held-out chat requests (specengine.corpus: files the recipe never saw), batch 1, on this
+On held-out chat requests (specengine.devtools.corpus: files the recipe never saw), batch 1, on this
 machine, one run side by side: target-only tokens/s; for gamma 1..8 and "auto" at temperature 0
 and 1, alpha, tokens per target call, tokens/s and the speedup over target-only; c = draft step /
 target step (one-token decode steps, median); whether every greedy output equals target-only;
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specengine import Engine, SamplingParams
-from specengine.corpus import heldout_chat_prompts
+from specengine.devtools.corpus import heldout_chat_prompts
 from specengine.drafters.model import ModelDrafter
 from specengine.models import load_model
 from specengine.shipped import DEFAULT_DRAFT_DIR, default_target
@@ -147,7 +147,7 @@ sampling keeps the output exactly SmolLM2's.
 ## How it was made (`recipes/train_smollm2_draft.py`, {t['date']}, {t['device']}, {t['threads']} threads)
 
 - Prompts: chat requests (write, explain, test or improve a function) and code prefixes built from
-  the training side of the standard library's split by file (`specengine.corpus`); the held-out
+  the training side of the standard library's split by file (`specengine.devtools.corpus`); the held-out
   side is never used.
 - Teacher: SmolLM2 answered {t['teacher_prompts']:,} prompts ({t.get('prompt_rounds', 1)} round(s) of requests drawn
   from the files; half greedy, half sampled at T=1) in

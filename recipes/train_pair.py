@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specengine.corpus import is_held_out, read, stdlib_files
+from specengine.devtools.corpus import is_held_out, read, stdlib_files
 
 from resumable import resume, save, set_lr
 
@@ -43,7 +43,7 @@ SHAPES = {
 def stage_tokenizer(work: Path):
     from transformers import PreTrainedTokenizerFast
 
-    from specengine.tiny import EOS_TOKEN, train_tokenizer
+    from specengine.devtools.tiny import EOS_TOKEN, train_tokenizer
 
     assert EOS_TOKEN == EOS
     out = work / "tokenizer"

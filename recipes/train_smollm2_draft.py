@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specengine.corpus import code_prompts, encode_prompt
+from specengine.devtools.corpus import code_prompts, encode_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -112,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-seq-len", type=int, help="context per request (default: the model's)")
     serve.add_argument("--served-model-name", help="the model's name in the API (default: the target's file name)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+                       help="at SIGTERM or Ctrl-C, how long open requests may run on before the rest end with "
+                            "finish_reason 'abort' (default 10)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
     convert = sub.add_parser("convert", help="write a GGUF file as a Hugging Face folder (config.json, "
@@ -123,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bench(args) -> int:
-    from .benchmark import BenchOptions, run_benchmark
+    from .devtools.benchmark import BenchOptions, run_benchmark
 
     if (args.target is None) != (args.draft is None):
         raise ValueError("bench needs both --target and --draft, or neither (the default pair)")
@@ -145,29 +149,114 @@ def bench(args) -> int:
     return 0
 
 
+def _say(message: str):
+    print(f"specengine: {message}", file=sys.stderr, flush=True)
+
+
+def _bind(host: str, port: int):
+    """A socket bound to host:port, for the server to listen on once the model is loaded: a port
+    in use is found now rather than after the load, and stays ours through it."""
+    import errno
+    import socket
+
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a recent server's TIME_WAIT is no conflict
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use (another server?); "
+                             "choose another with --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class _LogFormatter(logging.Formatter):
+    """specengine's log lines as its own: "specengine: message", "specengine: warning: message"."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            text = f"{record.levelname.lower()}: {text}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return f"specengine: {text}"
+
+
 def serve(args) -> int:
+    import signal
+    import time
     from pathlib import Path
 
     try:
         import uvicorn
 
-        from .server.app import create_app
+        from .server.app import Server, create_app
     except ImportError as e:
         raise ValueError(f"serve needs fastapi and uvicorn: pip install 'specengine[serve]' ({e})") from None
     from .engine import AsyncEngine, Engine
 
+    # Everything that can be refused without the model is refused before it loads (a load takes
+    # seconds to minutes).
     if args.tensor_parallel != 1:
         # Requests reach rank 0's HTTP server only; the other ranks would have to follow its batch.
         raise ValueError("serve runs one process: --tensor-parallel is for generate")
-    target, draft = _models(args)
-    engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma, max_gamma=args.max_gamma,
-                                    device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype,
-                                    max_seq_len=args.max_seq_len, cuda_graphs=args.cuda_graphs,
-                                    max_batch_size=args.max_batch_size, check_every=args.check_every)
-    name = args.served_model_name or Path(target).name.removesuffix(".gguf")
-    app = create_app(AsyncEngine(engine), name)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
+    for flag, path in (("--target", args.target), ("--draft", args.draft)):
+        if path is not None and not Path(path).exists():
+            raise FileNotFoundError(f"{flag} {path} does not exist")
+    sock = _bind(args.host, args.port)
+    # Set for this call only, and restored after: main() may run inside another program (a test).
+    logger = logging.getLogger("specengine")
+    saved = logger.level, logger.propagate, signal.getsignal(signal.SIGTERM)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LogFormatter())
+    logger.addHandler(handler)
+    logger.setLevel(args.log_level.upper())
+    logger.propagate = False
+    # SIGTERM as Ctrl-C: uvicorn handles both while it serves and raises the signal again once it
+    # has stopped; as KeyboardInterrupt it ends this function quietly, here or during the load.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    server = None
+    try:
+        target, draft = _models(args)
+        drafting = ("drafting by prompt lookup (ngram)" if args.drafter == "ngram" else
+                    f"draft {draft}" if draft is not None else "no draft (target-only)")
+        _say(f"loading target {target}, {drafting} ...")
+        start = time.perf_counter()
+        engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
+                                        max_gamma=args.max_gamma, device=args.device, dtype=args.dtype,
+                                        weight_dtype=args.weight_dtype, max_seq_len=args.max_seq_len,
+                                        cuda_graphs=args.cuda_graphs, max_batch_size=args.max_batch_size,
+                                        check_every=args.check_every)
+        _say(f"loaded in {time.perf_counter() - start:.1f} s; warming up ...")
+        # One short request, so that the first client does not wait for what runs once (allocations,
+        # kernel compilation, graph capture at batch 1). One token id: any tokenizer, any context.
+        engine.generate([[0]], SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
+        name = args.served_model_name or Path(target).name.removesuffix(".gguf")
+        async_engine = AsyncEngine(engine)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        server = Server(uvicorn.Config(create_app(async_engine, name), host=args.host, port=args.port,
+                                       log_level=args.log_level),
+                        async_engine, grace=args.shutdown_grace,
+                        on_started=lambda: _say(f"serving {name} on http://{host}:{args.port}/v1 (SIGTERM or Ctrl-C "
+                                                f"stops it; open requests get {args.shutdown_grace:g} s)"))
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        if server is None or not server.started:
+            _say("interrupted before serving")
+            return 130
+    finally:
+        sock.close()
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+        signal.signal(signal.SIGTERM, saved[2])
+    _say("stopped")
     return 0
 
 

@@ -1,22 +1,59 @@
-"""Compiles every Triton kernel for an H100/H200 (sm_90) without a GPU: Triton's own LLVM and
-ptxas build the cubins. The interpreter runs what the compiler rejects (module globals read in
-a kernel, say), so tests/test_kernels_compile.py runs this in a process without TRITON_INTERPRET.
+"""Compiles every Triton kernel for an H100/H200 (sm_90) and an A100 (sm_80) without a GPU: Triton's
+own LLVM and ptxas build the cubins. The interpreter runs what the compiler rejects (module
+globals read in a kernel, a tl.dot under 16), so tests/test_kernels_compile.py runs this in a
+process without TRITON_INTERPRET, and tests/compile_triton_versions.sh under each Triton release.
 
-    python tests/compile_triton.py    # prints one line per kernel and variant; exit 1 on failure
+    python tests/compile_triton.py [--arch 90 80] [--jobs N]
+
+One line per kernel, variant and architecture: the registers per thread, the local memory per
+thread (spills: cuobjdump's stack size) and the shared memory per program, against the
+architecture's limits. A variant over a limit (it would fail to launch) fails the run; spills
+are reported, not failed (a float32 dot keeps its operands in registers and spills at head_dim
+128). Exit status 1 on any failure. Needs only triton (its nvidia backend ships ptxas and
+cuobjdump): the kernels are loaded from kernels/ without specengine or torch.
 """
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
+import types
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-from specengine.kernels import activation, attention, norm, philox, rotary, verify
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+# Per architecture: registers per thread, registers per program (one SM's file), shared memory
+# per program with the opt-in carve-out (CUDA's sharedMemPerBlockOptin).
+LIMITS = {90: dict(regs=255, block_regs=65536, shared=232448), 80: dict(regs=255, block_regs=65536, shared=166912)}
 
 STEP_FLOAT32 = {"m_ptr", "l_ptr", "acc_ptr"}  # the attention splits' partials, float32 in any dtype
 INT_POINTERS = {"top_k_ptr", "tile_arg_ptr", "state_ptr", "top_k_state_ptr", "top_p_state_ptr", "tokens_ptr",
                 "num_drafts_ptr", "seeds_ptr", "positions_ptr", "decided_ptr", "emitted_ptr", "count_ptr",
                 "target_len_ptr", "draft_len_ptr", "out_ptr_i64"}
+
+
+def load_kernels():
+    """kernels/ as a package of its own ("kernels"). Its modules import torch for their host
+    wrappers only; where torch is not installed (a venv with just triton) a stub stands in."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.modules["torch"] = types.ModuleType("torch")
+    if "kernels" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("kernels", KERNELS_DIR / "__init__.py",
+                                                      submodule_search_locations=[str(KERNELS_DIR)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["kernels"] = package
+        spec.loader.exec_module(package)
+    return [importlib.import_module(f"kernels.{name}")
+            for name in ("activation", "attention", "norm", "philox", "rotary", "verify")]
 
 
 def signature(fn, constexprs: dict, logits: str) -> dict:
@@ -43,42 +80,120 @@ def signature(fn, constexprs: dict, logits: str) -> dict:
 
 
 def variants():
-    """(kernel, logits pointer type, constexprs) for what verify_triton and uniforms_triton launch."""
-    kernels = [verify._stats_kernel, verify._top_k_kernel, verify._top_p_first_kernel, verify._top_p_kernel,
-               verify._floor_kernel, verify._decide_kernel, verify._sample_kernel]
+    """(kernel module, kernel name, pointer dtype, constexprs): what verify_triton and uniforms_triton
+    launch, and the decode step's kernels at the smallest blocks (tl.dot's minimum) and the largest
+    (a long prompt's query blocks, the most splits, Llama 3 70B's 64 query heads and 8192 features)."""
+    _, attention, _, _, _, verify = load_kernels()
+    kernels = ["_stats_kernel", "_top_k_kernel", "_top_p_first_kernel", "_top_p_kernel", "_floor_kernel",
+               "_decide_kernel", "_sample_kernel"]
     for logits, levels, flags in [("*fp32", 4, (True, False, True, True)), ("*bf16", 2, (False, True, False, False)),
                                   ("*fp16", 4, (True, True, True, False))]:
         has_draft, has_uniforms, has_target_len, has_draft_len = flags
-        values = dict(TILE=4096, BLOCK=1024, NUM_BINS=verify.NUM_BINS, TILES=verify.TILES_PER_LOAD, LEVELS=levels,
-                      CHUNK=32, HAS_DRAFT=has_draft, HAS_UNIFORMS=has_uniforms, HAS_TARGET_LEN=has_target_len,
-                      HAS_DRAFT_LEN=has_draft_len)
-        for fn in kernels:
-            yield fn, logits, {k: v for k, v in values.items() if k in fn.arg_names}
-    yield philox._uniforms_kernel, "*fp32", dict(stream=0, BLOCK=16)
-    # The decode step's kernels, in bfloat16 (the GPU's compute dtype) and float32.
+        values = dict(TILE=verify.TILE, BLOCK=1024, NUM_BINS=verify.NUM_BINS, TILES=verify.TILES_PER_LOAD,
+                      LEVELS=levels, CHUNK=32, HAS_DRAFT=has_draft, HAS_UNIFORMS=has_uniforms,
+                      HAS_TARGET_LEN=has_target_len, HAS_DRAFT_LEN=has_draft_len)
+        for name in kernels:
+            fn = getattr(verify, name)
+            yield "verify", name, logits, {k: v for k, v in values.items() if k in fn.arg_names}
+    yield "philox", "_uniforms_kernel", "*fp32", dict(stream=0, BLOCK=128)  # up to max_gamma + 1 = 65 uniforms
+    # The decode step's kernels, in bfloat16 (the GPU's compute dtype) and float32 (exact dots).
     for dtype, dot_fp32 in (("*bf16", False), ("*fp32", True)):
-        yield norm._add_rms_norm_kernel, dtype, dict(HAS_DELTA=True, BLOCK=1024)
-        yield activation._silu_mul_kernel, dtype, dict(BLOCK=activation.BLOCK)
-        yield rotary._rope_write_kernel, dtype, dict(HAS_NORM=dtype == "*bf16", Q_HEADS=32, KV_HEADS=8, BLOCK_D=64)
-        yield attention._split_kernel, dtype, dict(GROUP=4, Q_ROWS=16, D=64, BLOCK_D=64, BLOCK_N=attention.BLOCK_N,
-                                                   DOT_FP32=dot_fp32)
-        yield attention._merge_kernel, dtype, dict(D=128, BLOCK_D=128, SPLITS=16)
+        rows = attention.MAX_Q_ROWS_FP32 if dot_fp32 else attention.MAX_Q_ROWS
+        for block in (1024, 8192):
+            yield "norm", "_add_rms_norm_kernel", dtype, dict(HAS_DELTA=True, BLOCK=block)
+        yield "activation", "_silu_mul_kernel", dtype, dict(BLOCK=1024)
+        yield "rotary", "_rope_write_kernel", dtype, dict(HAS_NORM=dtype == "*bf16", Q_HEADS=32, KV_HEADS=8, BLOCK_D=64)
+        yield "rotary", "_rope_write_kernel", dtype, dict(HAS_NORM=True, Q_HEADS=64, KV_HEADS=8, BLOCK_D=128)
+        for q_rows, D in ((attention.MIN_DOT, 64), (rows, 128)):
+            yield "attention", "_split_kernel", dtype, dict(
+                Q_ROWS=q_rows, D=D, BLOCK_D=D, BLOCK_N=attention.BLOCK_N, DOT_FP32=dot_fp32,
+                num_warps=attention.split_warps(q_rows, D))
+        for splits in (16, attention.MAX_SPLITS):
+            yield "attention", "_merge_kernel", dtype, dict(D=128, BLOCK_D=128, SPLITS=splits)
 
 
-def main() -> int:
-    target = GPUTarget("cuda", 90, 32)
-    failed = 0
-    for fn, logits, constexprs in variants():
-        sig = signature(fn, constexprs, logits)
-        if fn is philox._uniforms_kernel:
-            sig.update(seeds_ptr="*i64", positions_ptr="*i64", out_ptr="*fp32")
-        source = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-        try:
-            compiled = triton.compile(source, target=target)
-            print(f"ok      {fn.__name__} {logits} {constexprs} ({len(compiled.asm['cubin'])} bytes of cubin)")
-        except Exception:  # noqa: BLE001 (report every kernel, then fail)
-            failed += 1
-            print(f"FAILED  {fn.__name__} {logits} {constexprs}\n{traceback.format_exc()}")
+def resources(compiled, arch: int) -> tuple[dict, list[str]]:
+    """(registers, local bytes, shared bytes and warps; the problems against the architecture's limits)."""
+    regs, spills = _cuobjdump(compiled.asm["cubin"])
+    shared = compiled.metadata.shared
+    threads = 32 * compiled.metadata.num_warps
+    found = dict(regs=regs, spills=spills, shared=shared, warps=compiled.metadata.num_warps)
+    limit = LIMITS[arch]
+    problems = []
+    if shared > limit["shared"]:
+        problems.append(f"shared {shared} > {limit['shared']} bytes")
+    if regs is not None and (regs > limit["regs"] or regs * threads > limit["block_regs"]):
+        problems.append(f"{regs} registers x {threads} threads over {limit['regs']} / {limit['block_regs']}")
+    return found, problems
+
+
+def _cuobjdump(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, local-memory stack bytes) of a cubin from cuobjdump --dump-resource-usage (the
+    driver reports them only when it loads the cubin, on a GPU)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else (None, None)
+
+
+def compile_one(job) -> tuple[str, bool, float]:
+    """(report line, ok, seconds) of one variant on one architecture."""
+    module_name, kernel, dtype, constexprs, arch = job
+    constexprs = dict(constexprs)
+    options = {"num_warps": constexprs.pop("num_warps")} if "num_warps" in constexprs else {}  # as launched
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = dict(zip(("activation", "attention", "norm", "philox", "rotary", "verify"), load_kernels()))[module_name]
+    fn = getattr(module, kernel)
+    sig = signature(fn, constexprs, dtype)
+    if kernel == "_uniforms_kernel":
+        sig.update(seeds_ptr="*i64", positions_ptr="*i64", out_ptr="*fp32")
+    source = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    label = f"sm_{arch} {kernel} {dtype} {dict(constexprs, **options)}"
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+        found, problems = resources(compiled, arch)
+    except Exception:  # noqa: BLE001 (report every kernel, then fail)
+        return f"FAILED  {label}\n{traceback.format_exc()}", False, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    limit = LIMITS[arch]
+    spills = "" if not found["spills"] else f" SPILLS {found['spills']} bytes of local memory"
+    usage = (f"{found['regs']}/{limit['regs']} regs, {found['warps']} warps, shared "
+             f"{found['shared']}/{limit['shared']} bytes{spills}")
+    if problems:
+        return f"FAILED  {label}: over the limits: {'; '.join(problems)} ({usage})", False, seconds
+    return f"ok      {label} ({usage}; {seconds:.1f} s)", True, seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", choices=sorted(LIMITS), default=[90, 80])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+    import triton
+
+    jobs = [(*variant, arch) for arch in args.arch for variant in variants()]
+    print(f"triton {triton.__version__}: {len(jobs)} compilations for sm_{', sm_'.join(map(str, args.arch))}",
+          flush=True)
+    start = time.perf_counter()
+    failed = spilled = 0
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for line, ok, _ in pool.map(compile_one, jobs):
+            print(line, flush=True)
+            failed += not ok
+            spilled += "SPILLS" in line
+    print(f"{len(jobs) - failed} compiled, {failed} failed, {spilled} spill to local memory; "
+          f"{time.perf_counter() - start:.0f} s")
     return 1 if failed else 0
 
 

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from specengine.tiny import make_config, save_random_checkpoint, train_tokenizer  # noqa: E402
+from specengine.devtools.tiny import make_config, save_random_checkpoint, train_tokenizer  # noqa: E402
 
 # Architectures and the features each exercises; saved with transformers' own save_pretrained.
 ARCH_CASES = {

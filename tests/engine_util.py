@@ -6,7 +6,11 @@ from specengine.models.config import RopeConfig
 
 
 def tiny_model(vocab_size=32, seed=0, num_layers=2, hidden_size=32, eos=None, max_positions=256,
-               logit_scale=1.0) -> LlamaForCausalLM:
+               logit_scale=1.0, head_dim=None) -> LlamaForCausalLM:
+    """Four query heads on two KV heads of hidden_size // 4 each, or of head_dim (hidden_size then
+    4 * head_dim): the GPU tests take 64 and 128, the head sizes the compiled kernels are built for."""
+    if head_dim is not None:
+        hidden_size = 4 * head_dim
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=hidden_size,
                       intermediate_size=2 * hidden_size, num_layers=num_layers, num_heads=4, num_kv_heads=2,
                       head_dim=hidden_size // 4, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
@@ -24,3 +28,21 @@ def stop_across_tokens(tokenizer, result) -> str:
     ends = [len(tokenizer.decode(result.token_ids[:n], skip_special_tokens=True)) for n in range(1, 12)]
     boundary = next(e for e in ends[2:] if 0 < e < len(result.text) - 2)
     return result.text[boundary - 2:boundary + 2]
+
+
+def device_head_dims():
+    """(device, head_dim) of a GPU test whose logic also runs on the CPU path: on CUDA the head sizes
+    the compiled kernels are built for, 64 and 128 (marked gpu); on the CPU one of them."""
+    import pytest
+
+    gpu = pytest.mark.gpu
+    return [pytest.param("cpu", 64, id="cpu-64"), pytest.param("cuda", 64, marks=gpu, id="cuda-64"),
+            pytest.param("cuda", 128, marks=gpu, id="cuda-128")]
+
+
+def assert_kernels_ran(*models):
+    """On CUDA, the models' forwards ran the compiled Triton step kernels: none fell back to the torch path."""
+    for model in models:
+        assert model.triton_fallback_reason is None, f"the Triton kernels fell back: {model.triton_fallback_reason}"
+        if model.device.type == "cuda":
+            assert model.backend.name == "triton"

@@ -161,7 +161,7 @@ def test_nan_draft_logits_are_reported_before_any_token_is_kept():
 
 
 def test_different_tokenizers_are_refused(text_pair, tmp_path):
-    from specengine.tiny import train_tokenizer
+    from specengine.devtools.tiny import train_tokenizer
 
     target, draft = text_pair
     other = tmp_path / "draft"

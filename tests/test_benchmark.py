@@ -1,15 +1,35 @@
-"""`specengine bench` (specengine/benchmark.py) end to end on the tiny text pair: every configuration
+"""`specengine bench` (specengine/devtools/benchmark.py) end to end on the tiny text pair: every configuration
 runs, the CSV holds what the issue asks for, and greedy outputs equal Hugging Face's."""
 import csv
 import json
+import shutil
 
 import pytest
 import torch
 import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import specengine
-from specengine.benchmark import BenchOptions, median_alpha, rotated
 from specengine.cli import main as cli_main
+from specengine.devtools.benchmark import BenchOptions, eager_decode, hf_decode, median_alpha, rotated
+from specengine.devtools.corpus import heldout_chat_prompts
+from specengine.models import load_model
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_pair(text_pair, tmp_path_factory):
+    """The tiny pair with a chat template on the target's tokenizer: the benchmark then takes
+    held-out chat requests as its prompts, of different lengths, as on the default pair."""
+    target, draft = text_pair
+    folder = tmp_path_factory.mktemp("chat-pair") / "target"
+    shutil.copytree(target, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder, draft
 
 
 def test_bench_runs_every_configuration_and_checks_greedy_against_hf(text_pair, tmp_path, capsys):
@@ -49,6 +69,43 @@ def test_bench_runs_every_configuration_and_checks_greedy_against_hf(text_pair, 
     (raw,) = tmp_path.glob("e2e-*-runs.json")
     runs = json.loads(raw.read_text())
     assert set(runs) == expected and all(len(r) == 1 and r[0]["tokens"] > 0 for r in runs.values())
+
+
+def test_bench_quick_path_on_prompts_of_different_lengths(chat_pair, tmp_path):
+    """What `specengine bench --quick` runs on the default pair, in miniature: chat prompts of
+    different lengths at batch 1 and a larger batch, at T=0 and T=1, through every baseline. A
+    batch of them is no rectangle: HF generate and the eager loop each take it padded."""
+    target, draft = chat_pair
+    prompts = heldout_chat_prompts(AutoTokenizer.from_pretrained(target), 3, max_tokens=256)
+    assert len({len(p) for p in prompts}) == 3
+    code = cli_main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", "3", "--new-tokens", "4",
+                     "--repeats", "1", "--gammas", "2", "--batches", "1", "3", "--temperatures", "0", "1",
+                     "--out-dir", str(tmp_path), "--no-plot"])
+    assert code == 0
+    (path,) = tmp_path.glob("e2e-*.csv")
+    rows = {row["config"]: row for row in csv.DictReader(path.open())}
+    for T in ("0", "1"):
+        for B in (1, 3):
+            for name in ("hf", "eager", "spec target-only", "spec draft gamma=2", "spec draft gamma=auto",
+                         "spec ngram gamma=4"):
+                assert float(rows[f"{name} T={T} B={B}"]["tokens_per_s"]) > 0, (name, T, B)
+        assert float(rows[f"hf-assisted T={T} B=1"]["tokens_per_s"]) > 0
+    # Every row of the ragged batch, HF's left-padded one included, decodes its own prompt greedily.
+    for name, row in rows.items():
+        if row["kind"] in ("spec", "eager") and row["temperature"] == "0.0":
+            assert row["greedy_equals_hf"] == "True", name
+
+
+def test_baselines_decode_each_prompt_of_a_ragged_batch_as_alone(chat_pair):
+    """HF (left-padded, masked) and the eager loop (right-padded in its cache) give each prompt of
+    a batch of different lengths the greedy tokens it gets decoded on its own."""
+    target, _ = chat_pair
+    prompts = heldout_chat_prompts(AutoTokenizer.from_pretrained(target), 3, max_tokens=256)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ours = load_model(target)
+    alone = [hf_decode(hf, [p], 6, 0.0)[0] for p in prompts]
+    assert hf_decode(hf, prompts, 6, 0.0) == alone
+    assert eager_decode(ours, prompts, 6, 0.0, seed=0) == alone
 
 
 def test_median_alpha_skips_runs_that_tested_no_drafts():

@@ -7,11 +7,11 @@ import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
-from specengine.engine import engine as engine_module
+from specengine.engine import rounds as rounds_module
 from specengine.engine.device_rounds import rounds_that_fit
 from specengine.sampling.batch import InvalidLogitsError, SamplingBatch
 
-from engine_util import tiny_model
+from engine_util import assert_kernels_ran, device_head_dims, tiny_model
 
 V = 40
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27, 1, 3, 9, 27], [4]]
@@ -19,9 +19,9 @@ PARAMS = [SamplingParams(max_new_tokens=n, temperature=t, seed=s)
           for n, t, s in [(30, 0.0, 1), (41, 1.0, 2), (17, 0.8, 3), (26, 0.0, 4)]]
 
 
-def models(device="cpu"):
-    return (tiny_model(V, seed=0, logit_scale=3.0).to(device),
-            tiny_model(V, seed=5, num_layers=1, logit_scale=3.0).to(device))
+def models(device="cpu", head_dim=None):
+    return (tiny_model(V, seed=0, logit_scale=3.0, head_dim=head_dim).to(device),
+            tiny_model(V, seed=5, num_layers=1, logit_scale=3.0, head_dim=head_dim).to(device))
 
 
 def engine(target, draft, check_every=1, gamma=3, **kw):
@@ -34,12 +34,12 @@ def engine(target, draft, check_every=1, gamma=3, **kw):
 def block_spy(monkeypatch):
     """Records the rounds of every block the engine runs from device state."""
     blocks = []
-    real = engine_module.run_block
+    real = rounds_module.run_block
 
     def spy(*args):
         blocks.append(args[5])
         return real(*args)
-    monkeypatch.setattr(engine_module, "run_block", spy)
+    monkeypatch.setattr(rounds_module, "run_block", spy)
     return blocks
 
 
@@ -119,18 +119,23 @@ def test_check_every_is_validated():
         Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3, check_every=4)
 
 
-@pytest.mark.gpu
-def test_blocks_replay_graphs_and_decode_as_eager_on_cuda(block_spy):
-    target, draft = models("cuda")
+@pytest.mark.parametrize("device, head_dim", device_head_dims())
+def test_blocks_replay_graphs_and_decode_as_eager(block_spy, device, head_dim):
+    """On CUDA: blocks of rounds replayed from captured graphs over the compiled step kernels; on a
+    CPU the same blocks run eagerly on the CPU path."""
+    target, draft = models(device, head_dim)
     eager = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
     want = [r.token_ids for r in eager.generate(PROMPTS, PARAMS)]
     blocks = engine(target, draft, 8)
     assert [r.token_ids for r in blocks.generate(PROMPTS, PARAMS)] == want
-    assert block_spy and blocks.target_steps.replays > 0 and blocks.drafter.steps.replays > 0
+    assert block_spy
     assert blocks.target_steps.fallback_reason is None and blocks.drafter.steps.fallback_reason is None
-    # Each block's rounds replayed one captured graph a round (its warm-ups undone before capture).
-    assert any(key[0] == "round" and entry.graph is not None
-               for key, entry in blocks.target_steps.graphs.entries.items())
+    assert_kernels_ran(target, draft)
+    if device == "cuda":
+        assert blocks.target_steps.replays > 0 and blocks.drafter.steps.replays > 0
+        # Each block's rounds replayed one captured graph a round (its warm-ups undone before capture).
+        assert any(key[0] == "round" and entry.graph is not None
+                   for key, entry in blocks.target_steps.graphs.entries.items())
 
 
 def test_drafter_state_after_a_block_serves_a_later_catch_up():
@@ -163,13 +168,13 @@ def test_auto_gamma_drafts_from_device_state_only_once_the_draft_cache_has_caugh
     script = iter([0, 0] + [3] * 100)  # two blocks of 6 target-only rounds, then drafting
     monkeypatch.setattr(auto.gamma_controller, "choose", lambda estimates: next(script))
     lags = []  # per drafting block: the most tokens a row's draft cache lacks when it starts
-    real = engine_module.run_block
+    real = rounds_module.run_block
 
     def spy(target_steps, drafter, sampling, sequences, gamma, *rest):
         if gamma > 0:
             lags.append(max(len(s) - min(fed, len(s) - 1) for s, fed in zip(sequences, drafter.fed)))
         return real(target_steps, drafter, sampling, sequences, gamma, *rest)
-    monkeypatch.setattr(engine_module, "run_block", spy)
+    monkeypatch.setattr(rounds_module, "run_block", spy)
     (result,) = auto.generate([PROMPTS[0]], SamplingParams(max_new_tokens=40, temperature=0.0))
     assert lags and max(lags) <= auto.drafter.CATCH_UP_WIDTH
     assert result.stats.drafted > 0 and result.stats.accepted == result.stats.drafted

@@ -6,7 +6,7 @@ from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.drafters.ngram import NgramDrafter
 
-from engine_util import tiny_model
+from engine_util import assert_kernels_ran, device_head_dims, tiny_model
 
 V = 48
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [4], [9, 9, 9, 9, 9]]
@@ -35,7 +35,7 @@ def test_target_only_greedy_equals_transformers_generate(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from specengine.models import load_model
-    from specengine.tiny import make_config, save_random_checkpoint
+    from specengine.devtools.tiny import make_config, save_random_checkpoint
 
     save_random_checkpoint(tmp_path, make_config(vocab_size=V, eos_token_id=None), init_std=0.3)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -82,10 +82,14 @@ def test_mixed_lengths_and_limits_in_one_batch(target):
     assert all(r.finish_reason == "length" for r in results)
 
 
-@pytest.mark.gpu
-def test_greedy_on_cuda_equals_cpu(baseline):
-    """The whole loop on CUDA (Triton verify, torch Philox) gives the CPU's greedy tokens."""
-    target = tiny_model(V, seed=0, logit_scale=3.0).cuda()
+@pytest.mark.parametrize("device, head_dim", device_head_dims())
+def test_greedy_on_the_device_equals_cpu_target_only(device, head_dim):
+    """The whole loop on CUDA (compiled step kernels, Triton verify) gives the CPU's target-only
+    greedy tokens, with every drafter; on a CPU the same loop on the CPU path."""
+    target = tiny_model(V, seed=0, logit_scale=3.0, head_dim=head_dim)
+    baseline = [r.token_ids for r in Engine(target).generate(PROMPTS, GREEDY)]
+    target = target.to(device)
     for drafter in (None, ModelDrafter(target, V, V), NgramDrafter(1, 3)):
         engine = Engine(target, drafter=drafter, gamma=4)
         assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == baseline
+    assert_kernels_ran(target)

@@ -7,9 +7,10 @@ import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
-from specengine.engine import gamma as gamma_module
+from specengine.engine import costs as costs_module
+from specengine.engine.costs import measure_costs
 from specengine.engine.gamma import (AcceptanceEstimate, CostModel, GammaController, expected_ops_ratio,
-                                     expected_tokens, measure_costs, predicted_speedup)
+                                     expected_tokens, predicted_speedup)
 
 from engine_util import tiny_model
 
@@ -355,7 +356,7 @@ def test_measured_costs_are_steps_back_to_back_and_survive_a_slow_stretch(monkey
     A draft step is timed right after another (as a round's draft steps run), not after a target
     call, whose first draft step also reloads the draft's weights."""
     clock = _FakeClock(range(slow_from, slow_from + 12))
-    monkeypatch.setattr(gamma_module.time, "perf_counter", lambda: clock.now)
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock.now)
     target = _ClockedModel(clock, "target", token_s=0.004)
     draft = _ClockedModel(clock, "draft", token_s=0.001, cold_s=0.002)
     costs = measure_costs(target, draft, max_gamma=3)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from specengine.models import CheckpointError, load_model
 from specengine.models.gguf import GGUFError, convert_gguf
-from specengine.tiny import make_config
+from specengine.devtools.tiny import make_config
 
 from gguf_util import write_gguf
 

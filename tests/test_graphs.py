@@ -1,4 +1,4 @@
-"""Fixed-shape steps on persistent caches (engine.graphs): on CPU the static-shape path runs
+"""Fixed-shape steps on persistent caches (steps.graphs): on CPU the static-shape path runs
 eagerly, which tests its bookkeeping (buckets, padding rows, static buffers); on a GPU the same
 steps replay from CUDA graphs and must decode exactly as the eager engine does."""
 import pytest
@@ -6,11 +6,11 @@ import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
-from specengine.engine.graphs import StepGraphs, batch_bucket
-from specengine.engine.runner import feed
+from specengine.steps.graphs import FixedShapeSteps, batch_bucket
+from specengine.steps.feed import feed
 from specengine.sampling.batch import SamplingBatch
 
-from engine_util import tiny_model
+from engine_util import assert_kernels_ran, device_head_dims, tiny_model
 
 V = 40
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27, 1, 3, 9, 27], [11, 5, 2]]
@@ -31,7 +31,7 @@ def test_static_steps_give_the_eager_logits_and_touch_only_their_own_slots():
     entries): the rows' logits equal a plain forward on a fresh cache in the same state; the
     step writes each row's new positions, and the padding row writes only the spill slot."""
     model = tiny_model(V, seed=1, hidden_size=32)
-    steps = StepGraphs(model, max_batch_size=8, capacity=24)
+    steps = FixedShapeSteps(model, max_batch_size=8, capacity=24)
     steps.new_batch(4)
     with torch.no_grad():
         steps(torch.full((4, 2), 9), torch.full((4,), 5))
@@ -56,12 +56,12 @@ def test_static_steps_give_the_eager_logits_and_touch_only_their_own_slots():
 
 def test_graphs_refuse_a_cpu_model():
     with pytest.raises(ValueError, match="CUDA graphs need the model on a CUDA device"):
-        StepGraphs(tiny_model(V), 2, 16, use_graphs=True)
+        FixedShapeSteps(tiny_model(V), 2, 16, use_graphs=True)
 
 
-def engines(device):
-    target = tiny_model(V, seed=0, logit_scale=3.0).to(device)
-    draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0).to(device)
+def engines(device, head_dim=None):
+    target = tiny_model(V, seed=0, logit_scale=3.0, head_dim=head_dim).to(device)
+    draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0, head_dim=head_dim).to(device)
     eager = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
     static = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3, cuda_graphs=True, max_batch_size=4)
     return eager, static
@@ -95,13 +95,16 @@ def test_static_engine_queues_requests_past_its_rows():
         Engine(tiny_model(V), cuda_graphs=True, max_batch_size=0)
 
 
-@pytest.mark.gpu
-def test_graph_replay_decodes_as_the_eager_engine_on_cuda():
-    eager, static = engines("cuda")
+@pytest.mark.parametrize("device, head_dim", device_head_dims())
+def test_graph_replay_decodes_as_the_eager_engine(device, head_dim):
+    """On CUDA: graphs replayed over the compiled step kernels (head sizes they are built for),
+    token for token as the eager engine; on a CPU the same decoding on the CPU path, eagerly."""
+    eager, static = engines(device, head_dim)
     decode_both(eager, static)
+    assert_kernels_ran(static.target, static.drafter.model)
     for steps in (static.target_steps, static.drafter.steps):
-        assert steps.use_graphs and steps.fallback_reason is None
-        assert steps.replays > 0
+        assert steps.fallback_reason is None
+        assert steps.use_graphs == (device == "cuda") and (steps.replays > 0) == (device == "cuda")
 
 
 def test_auto_gamma_times_the_static_steps_its_rounds_take():

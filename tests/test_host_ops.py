@@ -1,11 +1,11 @@
-"""The host's part of a round (engine.host_ops), held under bounds: a change that adds torch ops or
+"""The host's part of a round (specengine.devtools.host_ops), held under bounds: a change that adds torch ops or
 device reads to every round fails here (bench/bench_host.py reports the counts)."""
 import pytest
 import torch
 
 from specengine import Engine, SamplingParams
+from specengine.devtools.host_ops import HostOps, per_round
 from specengine.drafters.model import ModelDrafter
-from specengine.engine.host_ops import HostOps, per_round
 
 from engine_util import tiny_model
 
@@ -40,9 +40,9 @@ def test_host_ops_and_reads_per_round_stay_bounded(pair, gamma, check_every, bat
 
 
 def test_the_counter_leaves_graph_bodies_out_and_counts_reads():
-    from specengine.engine.graphs import GraphedCalls
+    from specengine.steps.graphs import CapturedCalls
 
-    calls = GraphedCalls(use_graphs=False)
+    calls = CapturedCalls(use_graphs=False)
     calls.buffers("k", lambda: dict(x=torch.ones(3)))
     counter = HostOps()
     with counter, counter.count():

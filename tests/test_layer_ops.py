@@ -188,7 +188,7 @@ def test_decoder_layer_matches_the_torch_ops(case, B, T, starts, isa, checkpoint
     attn = layer.self_attn
     want_cache = model.new_cache(B, cache.capacity)
     want_cache.k.copy_(cache.k), want_cache.v.copy_(cache.v)
-    step = StepInputs(positions, cos, sin, kv_len, cpu_kernels=False, triton=False,
+    step = StepInputs(positions, cos, sin, kv_len, impl="reference",
                       mask=attention_mask(positions, kv_len, attn.sliding_window))
     with torch.no_grad():
         after_attention, mlp_out = layer(x.clone(), None, step, want_cache)

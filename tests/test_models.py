@@ -3,10 +3,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specengine.engine.runner import feed
+from specengine.steps.feed import feed
 from specengine.models import load_model
 from specengine.models import llama
 from specengine.models.llama import Attention
+from specengine.ops import attention
 
 from conftest import ARCH_CASES, cpu_isa_limit
 
@@ -17,6 +18,7 @@ ATOL = 2e-5
 # The Triton step kernels (the CUDA path) run here in Triton's interpreter.
 # All must match transformers (which computes the bfloat16 checkpoints upcast to float32).
 LAYER_OPS = pytest.mark.parametrize("layer_ops", ["whole-layer", "cpp-ops", "torch-ops", "triton"])
+BACKENDS = {"whole-layer": "cpp-layers", "cpp-ops": "cpp-ops", "torch-ops": "torch", "triton": "triton"}
 
 
 def load(case: str, layer_ops: str, checkpoint, monkeypatch):
@@ -24,15 +26,18 @@ def load(case: str, layer_ops: str, checkpoint, monkeypatch):
     folder = checkpoint(case, torch.bfloat16 if layer_ops == "whole-layer" else torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ours = load_model(folder)
-    ours.cpu_kernels = layer_ops != "torch-ops"
-    ours.triton_kernels = layer_ops == "triton"
+    # compiled Triton takes CUDA tensors; test_step_kernels runs them there
+    if layer_ops == "triton" and torch.cuda.is_available():
+        pytest.skip("the Triton path runs here in the interpreter, on CPU tensors")
+    if layer_ops in ("whole-layer", "cpp-ops"):  # the loader's choice on a CPU
+        assert ours.backend.name == BACKENDS[layer_ops]
+    else:
+        ours.use_backend(BACKENDS[layer_ops])
     if layer_ops == "triton":
-        if torch.cuda.is_available():  # compiled Triton takes CUDA tensors; test_step_kernels runs them there
-            pytest.skip("the Triton path runs here in the interpreter, on CPU tensors")
         def other_attention(*args):
             raise AssertionError("the Triton kernels were not taken")
-        monkeypatch.setattr(llama, "cached_attention_reference", other_attention)
-        monkeypatch.setattr(llama, "cached_attention_cpp", other_attention)
+        monkeypatch.setattr(attention, "cached_attention_reference", other_attention)
+        monkeypatch.setattr(attention, "cached_attention_cpp", other_attention)
     if layer_ops == "whole-layer":
         def per_op_path(*args):
             raise AssertionError("the whole-layer op was not taken")
@@ -176,7 +181,71 @@ def test_whole_layer_weights_follow_replaced_and_cast_parameters(checkpoint):
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
     assert model.whole_layer_weights() is None  # float32 matrices: the per-op path
+    assert model.backend.name == "cpp-ops"  # chosen again by the cast
     torch.testing.assert_close(logits(model), logits(fresh), atol=2e-5, rtol=0)
+
+
+def test_the_backend_is_chosen_at_load_and_checked(checkpoint, monkeypatch):
+    """The loader's choice on a CPU follows the dtypes; a backend that cannot run the model is
+    refused, saying why; a forward with gradients enabled runs the torch ops."""
+    folder = checkpoint("qwen2-qkv-bias")
+    fp32 = load_model(folder)
+    assert fp32.backend.name == "cpp-ops"
+    assert load_model(checkpoint("qwen2-qkv-bias", torch.bfloat16)).backend.name == "cpp-layers"
+    assert load_model(folder, dtype="bfloat16").backend.name == "torch"
+    with pytest.raises(ValueError, match="matrices stored in bfloat16"):
+        fp32.use_backend("cpp-layers")
+    with pytest.raises(ValueError, match="it runs on"):
+        fp32.use_backend("cuda")
+    assert fp32.backend.name == "cpp-ops"  # a refused backend changes nothing
+    tokens = torch.tensor([[5, 17, 3]])
+
+    def logits():
+        return fp32.logits(fp32(tokens, torch.zeros(1, dtype=torch.int64), fp32.new_cache(1, 8)))
+
+    def no_cpp(*args):
+        raise AssertionError("a C++ op ran with gradients enabled")
+    with monkeypatch.context() as patch, torch.enable_grad():
+        patch.setattr(attention, "cached_attention_cpp", no_cpp)
+        got = logits()
+    fp32.use_backend("torch")
+    with torch.no_grad():
+        assert torch.equal(got, logits())
+
+
+@pytest.mark.parametrize("backend", ["cpp-layers", "cpp-ops", "torch", "triton"])
+@pytest.mark.parametrize("case", ["qwen3-qk-norm-tied", "mistral-sliding"])
+def test_the_models_op_calls_pass_the_ops_checks(case, backend, checkpoint, monkeypatch):
+    """The model calls each op's entry point without its checks (check=False); with them on
+    (SPECENGINE_CHECK_OPS=1) every call of a prefill and a decode step passes them, same logits."""
+    import specengine.ops
+    from specengine.ops import decoder_layer
+
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("the Triton path runs here in the interpreter, on CPU tensors")
+    model = load_model(checkpoint(case, torch.bfloat16 if backend == "cpp-layers" else torch.float32))
+    model.use_backend(backend)
+    tokens = torch.tensor([[5, 17, 3, 44], [9, 2, 61, 7]])
+
+    def logits():
+        cache = model.new_cache(2, 16)
+        with torch.no_grad():
+            first = model.logits(model(tokens, torch.zeros(2, dtype=torch.int64), cache))
+            cache.lengths.add_(4)
+            return first, model.logits(model(tokens[:, :1], cache.lengths.clone(), cache))
+
+    want = logits()
+    checked = []
+    for module, name in ((attention, "_checked_attention"), (decoder_layer, "_checked_layer")):
+        def counted(*args, check=getattr(module, name)):
+            checked.append(check.__name__)
+            return check(*args)
+        monkeypatch.setattr(module, name, counted)
+    monkeypatch.setattr(specengine.ops, "CHECK_MODEL_CALLS", True)
+    got = logits()
+    assert set(checked) == {"_checked_layer" if backend == "cpp-layers" else "_checked_attention"}
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_rotary_table_rows_equal_computed_rotary(checkpoint):

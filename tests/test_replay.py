@@ -1,11 +1,11 @@
-"""specengine.replay: gamma policies decoded again on acceptance traces (no timing involved)."""
+"""specengine.devtools.replay: gamma policies decoded again on acceptance traces (no timing involved)."""
 import random
 
 import pytest
 import torch
 
 from specengine.engine.gamma import CostModel, expected_tokens
-from specengine.replay import acceptance_along, replay, replay_mean
+from specengine.devtools.replay import acceptance_along, replay, replay_mean
 
 from engine_util import tiny_model
 
@@ -55,7 +55,7 @@ def test_tokens_per_round_follow_equation_1(alpha, gamma):
     ("draft good then useless", [0.9] * 8 + [0.1] * 8),
 ])
 def test_auto_is_within_5_percent_of_the_best_fixed_gamma(case, alphas):
-    """The issue's target, without the timing noise of a 2-core VM (specengine.replay)."""
+    """The issue's target, without the timing noise of a 2-core VM (specengine.devtools.replay)."""
     traces = bernoulli_traces(alphas) if "greedy" in case else [[a] * 128 for a in alphas]
     fixed = {g: replay_mean(traces, SHIPPED_COSTS, g, 10, SHIPPED_OVERHEADS).tokens_per_s for g in range(9)}
     auto = replay_mean(traces, SHIPPED_COSTS, "auto", 10, SHIPPED_OVERHEADS).tokens_per_s

@@ -11,7 +11,7 @@ import pytest
 from specengine import Engine, SamplingParams
 
 from engine_util import stop_across_tokens
-from server_util import running_server
+from server_util import running_server, stoppable_server
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -104,7 +104,7 @@ def test_concurrent_streams_equal_offline_generation(server, offline):
         assert usage.completion_tokens == len(result.token_ids) and usage.prompt_tokens == len(result.prompt_token_ids)
     assert max(chunks for *_, chunks in got) > 1  # streamed, not sent at the end
     wait_idle(async_engine)
-    assert async_engine.engine._batch.cache.batch_size == 0
+    assert async_engine.engine.scheduler.batch.cache.batch_size == 0
 
 
 def test_completion_without_streaming_and_a_batch_of_prompts(client, offline):
@@ -189,7 +189,7 @@ def test_a_dropped_stream_aborts_its_request(server, client):
     stream = client.completions.create(model=MODEL, prompt="def f(", max_tokens=400, temperature=1.0, seed=1,
                                        stream=True, extra_body={"ignore_eos": True})
     first = next(iter(stream))
-    request_id = next(iter(async_engine.engine._unfinished))
+    request_id = async_engine.engine.unfinished_request_ids[0]
     assert first.choices[0].text is not None
     stream.close()  # the client goes away mid-generation
     wait_idle(async_engine)
@@ -204,3 +204,135 @@ def test_a_dropped_non_streaming_request_aborts_it(server):
         httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(0.3))
     wait_idle(async_engine)
     assert len(aborted) == before + 1 and async_engine.engine.num_running == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body, where", [
+    ('{"model": "tiny-pair", "prompt": "x = ", "max_tokens": }', "line 1 column 56"),
+    ('{\n  "prompt": "x = ",\n  "max_tokens": 3,\n}', "line 4 column 1"),
+    ("prompt=x", "line 1 column 1"),
+])
+def test_a_body_that_is_not_json_gets_400_saying_where_and_naming_no_parameter(server, path, body, where):
+    response = httpx.post(server[0] + path, content=body, headers={"Content-Type": "application/json"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("the request body is not valid JSON: ") and where in error["message"]
+    assert error["param"] is None
+
+
+def test_other_http_errors_have_the_openai_shape_too(server):
+    response = httpx.post(server[0] + "/v1/completions", content=b'{"prompt": "\xff"}',
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] is None
+    response = httpx.get(server[0] + "/v1/nowhere")
+    assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+    response = httpx.get(server[0] + "/v1/completions")
+    assert response.status_code == 405 and "POST" in response.headers["allow"]
+
+
+def test_one_clients_disconnect_never_ends_anothers_stream(server, client, offline):
+    _, async_engine, aborted = server
+    kept = dict(max_tokens=40, temperature=0.9, seed=7)
+    (want,) = offline.generate(["def add(a, b):"], SamplingParams(max_new_tokens=40, temperature=0.9, seed=7,
+                                                                  ignore_eos=True))
+    stays = client.completions.create(model=MODEL, prompt="def add(a, b):", stream=True,
+                                      extra_body={"ignore_eos": True}, **kept)
+    leaves = client.completions.create(model=MODEL, prompt="def f(", max_tokens=400, temperature=1.0, seed=1,
+                                       stream=True, extra_body={"ignore_eos": True})
+    staying = iter(stays)
+    pieces = [next(staying)]
+    next(iter(leaves))
+    before = len(aborted)
+    leaves.close()  # one client goes away mid-generation, the other reads on
+    pieces += list(staying)
+    assert "".join(c.choices[0].text for c in pieces) == want.text
+    assert pieces[-1].choices[0].finish_reason == "length"
+    wait_idle(async_engine)
+    assert len(aborted) == before + 1
+
+
+def test_a_stream_given_up_before_it_began_leaves_nothing_running(offline):
+    """A client gone before its response started: the body is never iterated, so only the
+    response itself can end its requests."""
+    from specengine import AsyncEngine
+    from specengine.server.app import _Choices, _Stream
+
+    async def main():
+        engine = AsyncEngine(offline)
+        choices = _Choices(engine, [engine.add_request("def f(", SamplingParams(max_new_tokens=400, ignore_eos=True))])
+
+        async def events():
+            async for _ in choices.merged():
+                yield "data: x\n\n"
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await asyncio.sleep(3600)  # nothing reaches a client that has gone
+
+        await _Stream(events(), choices)({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+        left = offline.has_unfinished_requests(), dict(engine._streams)
+        await engine.close()
+        return left
+
+    assert asyncio.run(main()) == (False, {})
+
+
+@pytest.fixture(scope="module")
+def long_context_target(tmp_path_factory, tokenizer):
+    """A tiny target with a context long enough for streams to outlast a grace period."""
+    from specengine.devtools.tiny import make_config, save_random_checkpoint
+
+    folder = tmp_path_factory.mktemp("long") / "target"
+    config = make_config(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, max_position_embeddings=8192,
+                         eos_token_id=tokenizer.eos_token_id)
+    save_random_checkpoint(folder, config, tokenizer, seed=0, init_std=0.3)
+    return folder
+
+
+def test_shutdown_lets_open_requests_run_for_the_grace_period_then_ends_them_with_abort(long_context_target):
+    import json
+    import threading
+
+    grace = 1.5
+    engine = Engine.from_pretrained(long_context_target, gamma=3)
+    with stoppable_server(engine, "long", grace=grace) as (url, async_engine, uv):
+        chunks, answers = [], []
+
+        def stream():
+            body = dict(prompt="def f(", max_tokens=6000, ignore_eos=True, seed=1, stream=True)
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        event = line[6:]
+                        chunks.append((time.monotonic(), event if event == "[DONE]" else json.loads(event)))
+
+        def whole():
+            body = dict(prompt="x = ", max_tokens=6000, ignore_eos=True, seed=2)
+            answers.append(httpx.post(url + "/v1/completions", json=body, timeout=60).json())
+
+        clients = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for t in clients:
+            t.start()
+        deadline = time.monotonic() + 30
+        while async_engine.engine.num_running < 2 or len(chunks) < 2:
+            assert time.monotonic() < deadline, "the requests did not start"
+            time.sleep(0.01)
+        stopped = time.monotonic()
+        uv.should_exit = True  # what SIGTERM and Ctrl-C do
+        for t in clients:
+            t.join(timeout=grace + 30)
+        uv.thread.join(timeout=30)
+        exited = time.monotonic()
+    assert not uv.thread.is_alive() and exited - stopped < grace + 10
+    *events, done = chunks
+    assert done[1] == "[DONE]"
+    reasons = [event["choices"][0]["finish_reason"] for _, event in events]
+    assert reasons[-1] == "abort" and set(reasons[:-1]) == {None}
+    # The stream went on through the grace period, and was ended when it ran out.
+    assert any(stopped + 0.2 < at < stopped + grace - 0.2 for at, _ in events)
+    assert grace - 0.1 < events[-1][0] - stopped < grace + 5
+    (answer,) = answers
+    assert answer["choices"][0]["finish_reason"] == "abort" and answer["choices"][0]["text"]
+    assert not engine.has_unfinished_requests()

@@ -1,5 +1,7 @@
 """Requests that join a running batch, leave it, are aborted, and stream deltas (Engine.add_request /
 step / abort), on tiny models: the tokens of every seeded request equal its offline generation."""
+import time
+
 import pytest
 import torch
 
@@ -72,7 +74,7 @@ def test_requests_joining_mid_run_get_their_offline_tokens(models, drafter, kwar
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].finish_reason == "length" and outs[-1].stats.generated_tokens == p.max_new_tokens
         assert all(o.new_token_ids for o in outs)  # every step of a running request adds tokens
-    assert engine.num_running == engine.num_waiting == 0 and engine._batch.cache.batch_size == 0
+    assert engine.num_running == engine.num_waiting == 0 and engine.scheduler.batch.cache.batch_size == 0
 
 
 def test_rows_past_max_batch_size_wait_first_come_first_served(models):
@@ -97,7 +99,7 @@ def test_abort_frees_the_row_at_once_and_is_reported(models):
     c = engine.add_request(PROMPTS[2], params(2, max_new_tokens=5))  # waits for a row
     outputs = engine.step()
     assert engine.num_running == 2 and engine.num_waiting == 1
-    assert engine.abort(a) and engine.num_running == 1 and engine._batch.cache.batch_size == 1
+    assert engine.abort(a) and engine.num_running == 1 and engine.scheduler.batch.cache.batch_size == 1
     assert engine.abort(c) and engine.num_waiting == 0
     assert not engine.abort(a) and not engine.abort("no such request")
     outputs += engine.step()
@@ -133,10 +135,10 @@ def test_cache_grows_with_the_sequences_not_with_what_they_may_reach(models):
     fresh = make_engine(models)
     fresh.add_request(PROMPTS[1], long, "long")
     first = fresh.step()
-    assert fresh._batch.cache.capacity < len(PROMPTS[1]) + 200 / 2  # not sized for all it may reach
+    assert fresh.scheduler.batch.cache.capacity < len(PROMPTS[1]) + 200 / 2  # not sized for all it may reach
     rest = drive(fresh, {0: [("short", PROMPTS[0], short)]})
     assert tokens_of(first + rest["long"]) == want_long and tokens_of(rest["short"]) == want_short
-    assert fresh._batch.cache.capacity >= len(PROMPTS[1]) + 200 - 1 and fresh._batch.cache.allocated_rows == 2
+    assert fresh.scheduler.batch.cache.capacity >= len(PROMPTS[1]) + 200 - 1 and fresh.scheduler.batch.cache.allocated_rows == 2
 
 
 def test_reserve_keeps_rows_and_entries():
@@ -162,11 +164,11 @@ def test_bad_requests_are_refused_at_add_request_and_leave_nothing_queued(models
     engine.add_request(PROMPTS[0], params(0), request_id="x")
     with pytest.raises(ValueError, match="request_id 'x' is already in flight"):
         engine.add_request(PROMPTS[1], params(1), request_id="x")
-    with pytest.raises(ValueError, match="request_id must be a non-empty string"):
+    with pytest.raises(TypeError, match="request_id must be a string, got int"):
         engine.add_request(PROMPTS[1], params(1), request_id=7)
     with pytest.raises(ValueError, match=r"prompt token ids must be integers in \[0, 32\)"):
         engine.add_request([1, 99])
-    with pytest.raises(ValueError, match="params must be SamplingParams"):
+    with pytest.raises(TypeError, match="params must be SamplingParams"):
         engine.add_request([1, 2], {"temperature": 0})
     with pytest.raises(RuntimeError, match="would also run the 1 requests in flight"):
         engine.generate([[1, 2]])
@@ -256,7 +258,7 @@ def test_async_streams_equal_offline_and_a_cancelled_one_is_aborted(models):
         stream = async_engine.generate_async(PROMPTS[0], params(0, max_new_tokens=200), request_id="dropped")
         await stream.__anext__()
         await stream.aclose()  # the consumer goes away
-        return "dropped" not in engine._unfinished
+        return "dropped" not in engine.unfinished_request_ids
 
     async def main():
         with pytest.raises(ValueError, match="prompt is empty"):
@@ -269,6 +271,160 @@ def test_async_streams_equal_offline_and_a_cancelled_one_is_aborted(models):
     assert got == want and dropped_freed and not engine.has_unfinished_requests()
 
 
+def test_the_driver_waits_once_requests_finish(models):
+    """No step runs while nothing is unfinished: the driver awaits its wake event."""
+    import asyncio
+
+    from specengine import AsyncEngine
+
+    async_engine = AsyncEngine(make_engine(models))
+
+    async def main():
+        outs = [out async for out in async_engine.generate_async(PROMPTS[0], params(0))]
+        await asyncio.sleep(0.05)
+        steps, cpu = async_engine.steps, time.process_time()
+        await asyncio.sleep(0.3)
+        idle = async_engine.steps - steps, time.process_time() - cpu, async_engine._driver.done()
+        await async_engine.close()
+        return outs, idle
+
+    outs, (steps, cpu, done) = asyncio.run(main())
+    assert outs[-1].finished and steps == 0 and not done and cpu < 0.1
+
+
+class _OddEngine:
+    """What AsyncEngine calls of an Engine, broken on purpose: each request is `unfinished` but
+    neither running nor waiting, or its step raises once; abort() may fail to end a request."""
+
+    def __init__(self, lose: bool = False, fail: bool = False, abort_works: bool = True):
+        self.lose, self.fail, self.abort_works = lose, fail, abort_works
+        self._unfinished, self._pending = {}, []
+        self.num_running = self.num_waiting = 0
+        self.steps = 0
+
+    def add_request(self, prompt, params=None, request_id=None):
+        self._unfinished[request_id] = prompt
+        if not self.lose:
+            self.num_running += 1
+        return request_id
+
+    def _final(self, request_id, reason, message):
+        from specengine.engine.request import DecodeStats, RequestOutput
+
+        return RequestOutput(request_id, [], "", True, reason, DecodeStats(gamma=1), message)
+
+    def step(self):
+        self.steps += 1
+        outputs, self._pending = self._pending, []
+        if self.num_running:
+            if self.fail:
+                self.fail = False
+                self._pending = [self._final(r, "abort", "aborted: the round failed") for r in self._unfinished]
+                self._unfinished.clear()
+                self.num_running = 0
+                raise RuntimeError("the round failed")
+            outputs += [self._final(r, "length", "") for r in self._unfinished]
+            self._unfinished.clear()
+            self.num_running = 0
+        return outputs
+
+    def abort(self, request_id):
+        if not self.abort_works or request_id not in self._unfinished:
+            return False
+        del self._unfinished[request_id]
+        self._pending.append(self._final(request_id, "abort", "aborted"))
+        return True
+
+    def has_unfinished_requests(self):
+        return bool(self._unfinished)
+
+    @property
+    def unfinished_request_ids(self):
+        return list(self._unfinished)
+
+    def has_pending_outputs(self):
+        return bool(self._pending)
+
+
+def _read_one(engine, seconds: float = 0.5):
+    """(the outputs of one request, steps run in `seconds` after it was added, the async engine)."""
+    import asyncio
+
+    from specengine import AsyncEngine
+
+    async_engine = AsyncEngine(engine)
+
+    async def main():
+        async_engine.add_request([1], request_id="r")
+
+        async def read():
+            return [out async for out in async_engine.outputs("r")]
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(seconds)
+        done = reader.done()
+        reader.cancel()
+        outs = await reader if done else None
+        await async_engine.close()
+        return outs, engine.steps
+
+    return *asyncio.run(main()), async_engine
+
+
+def test_a_request_the_engine_lost_is_ended_not_spun_on(caplog):
+    """Unfinished, neither running nor waiting: stepping would return nothing forever. The driver
+    logs it once, ends the request (its reader gets an answer) and waits."""
+    with caplog.at_level("ERROR", logger="specengine"):
+        outs, steps, _ = _read_one(_OddEngine(lose=True))
+    (out,) = outs
+    assert out.finish_reason == "abort" and "lost track" in out.message
+    assert steps <= 3
+    assert sum("neither running nor waiting" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_request_that_cannot_be_ended_is_waited_on_not_spun_on(caplog):
+    with caplog.at_level("ERROR", logger="specengine"):
+        outs, steps, _ = _read_one(_OddEngine(lose=True, abort_works=False), seconds=1.5)
+    assert outs is None and steps <= 4  # re-checked once a second
+    assert sum("neither running nor waiting" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failed_step_is_logged_with_its_traceback(caplog):
+    with caplog.at_level("ERROR", logger="specengine"):
+        outs, steps, _ = _read_one(_OddEngine(fail=True))
+    (out,) = outs
+    assert out.finish_reason == "abort" and steps == 2
+    (record,) = [r for r in caplog.records if "a step failed" in r.getMessage()]
+    assert record.exc_info and "the round failed" in str(record.exc_info[1])
+
+
+def test_an_open_streams_id_is_not_reused_and_close_ends_open_streams(models):
+    import asyncio
+
+    from specengine import AsyncEngine
+
+    async_engine = AsyncEngine(make_engine(models))
+
+    async def main():
+        async_engine.add_request(PROMPTS[0], params(0, max_new_tokens=2), request_id="x")
+        while async_engine.engine.has_unfinished_requests():
+            await asyncio.sleep(0.01)
+        # Finished, but its reader has not read it yet: a second "x" would take its outputs.
+        with pytest.raises(ValueError, match="'x' is already in flight"):
+            async_engine.add_request(PROMPTS[1], params(1), request_id="x")
+        first = [out async for out in async_engine.outputs("x")]
+        async_engine.add_request(PROMPTS[1], params(1, max_new_tokens=500), request_id="x")  # free again
+        outputs = async_engine.outputs("x")
+        await outputs.__anext__()
+        await async_engine.close()
+        rest = [out async for out in outputs]  # the open stream ends rather than wait forever
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert first[-1].finish_reason == "length"
+    assert rest[-1].finished and rest[-1].finish_reason == "abort" and rest[-1].message == "the engine was closed"
+
+
 # ---- batch invariance of the numbers themselves --------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -276,7 +432,7 @@ def wide_bf16_model(tmp_path_factory):
     """A bfloat16 checkpoint of two SmolLM2-sized layers: sgemm's result for a row of the down
     projection (1536 -> 576) changed with the rows in the call."""
     from specengine.models import load_model
-    from specengine.tiny import make_config, save_random_checkpoint
+    from specengine.devtools.tiny import make_config, save_random_checkpoint
 
     folder = tmp_path_factory.mktemp("wide")
     save_random_checkpoint(folder, make_config(vocab_size=64, hidden_size=576, intermediate_size=1536, num_layers=2,
@@ -287,7 +443,7 @@ def wide_bf16_model(tmp_path_factory):
 
 def cache_rows_after(model, prompts, groups):
     """K/V entries of each prompt, prefilled in these groups (lists of prompt indices, in order)."""
-    from specengine.engine.runner import append_prompts
+    from specengine.steps.feed import append_prompts
 
     entries = {}
     for group in groups:
@@ -307,8 +463,16 @@ def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(
     """The AMX GEMM sums each row on its own; the widened-weight sgemm runs in fixed blocks of rows."""
     from specengine.layers import linear
 
-    if block == "one GEMM per call":  # planted: one sgemm over all the rows of a call
-        monkeypatch.setattr(linear, "blocked_gemm", lambda x, w, bias: torch.nn.functional.linear(x, w.float(), bias))
+    if block == "one GEMM per call":
+        # Planted: a product whose summation order follows the rows in the call, as one sgemm over
+        # all of them does on some BLAS builds (others keep rows independent: the plant must not
+        # depend on which).
+        def by_call(x, w, bias):
+            step = 64 * (1 + x.numel() // x.shape[-1] % 3)
+            out = sum(torch.nn.functional.linear(x[..., k:k + step], w[:, k:k + step].float())
+                      for k in range(0, x.shape[-1], step))
+            return out if bias is None else out + bias
+        monkeypatch.setattr(linear, "blocked_gemm", by_call)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (41, 90, 12, 66, 35, 100)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -321,7 +485,7 @@ def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(
 
 
 def test_prefill_groups_stay_on_one_side_of_the_gemm_threshold():
-    from specengine.engine.runner import _similar_lengths
+    from specengine.steps.feed import _similar_lengths
     from specengine.layers.linear import GEMM_ROWS
 
     lengths = [2, 3, 3, 30, 31, 32, 33, 40, 200, 210, 900]

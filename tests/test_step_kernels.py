@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from specengine.kernels.activation import silu_mul_triton
-from specengine.kernels.attention import BLOCK_N, split_count
+from specengine.kernels.attention import BLOCK_N, MAX_Q_ROWS, query_rows, split_count
 from specengine.kernels.norm import add_rms_norm_triton
 from specengine.ops.attention import apply_rope, cached_attention, cached_attention_reference, attention_mask
 from specengine.ops.norm import rms_norm_reference
@@ -83,6 +83,10 @@ ATTENTION_CASES = [
     (2, 3, 4, 2, 64, [5, 64], 64, None),                    # row 1 all padding (a graph bucket's spare row)
     (1, 3, 16, 2, 64, [4094], 4097, None),                  # 4097 keys, group of 8
     (2, 4, 4, 2, 64, [70, 3], 128, 5),                      # Mistral's sliding window
+    # Prompts: their query rows (T * group) fill several blocks of MAX_Q_ROWS per KV head.
+    (1, 75, 8, 1, 64, [0], 80, None),                       # 600 rows: 10 blocks, causal within the prompt
+    (2, 24, 6, 2, 64, [3, 20], 48, 17),                     # group of 3: a block ends inside a token's heads
+    (1, 33, 4, 1, 8, [2], 40, None),                        # head_dim 8: the block of D padded for tl.dot
 ]
 
 
@@ -129,6 +133,16 @@ def test_splits_fill_the_gpu_and_stay_fixed_for_a_graph():
     assert split_count(1, 8, 4097) * 8 >= 200  # one row still spreads over the SMs
     assert split_count(1, 8, 1) == 1 and split_count(64, 8, 4097) == 1
     assert split_count(2, 3, 700) == split_count(2, 3, 700)  # a function of (B, Hkv, kv_len) alone
+    # A long prompt's query blocks fill the GPU alone: one split, partials as large as the output.
+    assert split_count(1, 8, 8192, query_rows(8192, 4)[1]) == 1
+
+
+def test_query_rows_per_program_are_bounded():
+    assert query_rows(1, 1) == (16, 1)      # a tl.dot's smallest M
+    assert query_rows(5, 8) == (64, 1)      # a verification of gamma 4, group of 8: one block
+    assert query_rows(9, 8) == (MAX_Q_ROWS, 2)
+    assert query_rows(131072, 8) == (MAX_Q_ROWS, 131072 * 8 // MAX_Q_ROWS)
+    assert query_rows(5, 8, dot_fp32=True) == (16, 3)  # float32 dots hold their operands in registers
 
 
 @pytest.mark.parametrize("case", ["llama3-rope-gqa", "mistral-sliding", "qwen3-qk-norm-tied"])
@@ -136,7 +150,7 @@ def test_bfloat16_model_with_the_kernels_errs_like_the_torch_path(case, checkpoi
     """Whole forwards in bfloat16 (a ragged prefill, then a verification-sized step): the logits'
     error against the same weights in float32 is, with the step kernels, of the size of the torch
     path's own bfloat16 error (the float32 logits match transformers: test_models)."""
-    from specengine.engine.runner import feed
+    from specengine.steps.feed import feed
     from specengine.models import load_model
 
     prompts = [[5, 9, 13, 2, 7, 1, 4], [3, 3], [8, 1, 6, 6, 2]]
@@ -144,7 +158,7 @@ def test_bfloat16_model_with_the_kernels_errs_like_the_torch_path(case, checkpoi
 
     def logits(dtype, kernels):
         model = load_model(checkpoint(case), device=DEVICE, dtype=dtype)
-        model.triton_kernels = kernels
+        model.use_backend("triton" if kernels else "torch")
         cache = model.new_cache(len(prompts), 32)
         with torch.no_grad():
             first = model.logits(feed(model, cache, prompts))
@@ -161,35 +175,40 @@ def test_bfloat16_model_with_the_kernels_errs_like_the_torch_path(case, checkpoi
 
 def test_kernels_that_fail_fall_back_to_the_torch_path_and_say_why(checkpoint, monkeypatch, caplog):
     import specengine.kernels.attention as attention
-    from specengine.engine.runner import feed
+    from specengine.steps.feed import feed
     from specengine.models import load_model
 
     def broken(*args, **kwargs):
         raise RuntimeError("PTX assembly failed")
 
     model = load_model(checkpoint("llama3-rope-gqa"), device=DEVICE)
-    model.triton_kernels = True
+    model.use_backend("triton")
     monkeypatch.setattr(attention, "decode_attention_triton", broken)
     prompts = [[5, 9, 13], [3]]
     with torch.no_grad():
         got = model.logits(feed(model, model.new_cache(2, 16), prompts))
-        model.triton_kernels = False
+        assert model.backend.name == "torch"  # from the failed forward on
         want = model.logits(feed(model, model.new_cache(2, 16), prompts))
     assert model.triton_fallback_reason == "RuntimeError: PTX assembly failed"
     assert "the Triton step kernels failed" in caplog.text
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernels run here in the interpreter, on CPU tensors "
-                                                       "(on a GPU the engine tests run them compiled)")
+# Head sizes: on a GPU those the compiled kernels are built for; in the interpreter (a CPU, which
+# pays per program and operation, not per element) the tiny models' 8, padded to tl.dot's 16.
+ENGINE_HEAD_DIMS = [64, 128] if torch.cuda.is_available() else [None]
+
+
+@pytest.mark.parametrize("head_dim", ENGINE_HEAD_DIMS)
 @pytest.mark.parametrize("check_every", [1, 3])
-def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(check_every):
+def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(check_every, head_dim):
     """Both models on the kernels inside the fixed-shape steps of cuda_graphs (padded buckets,
-    attention over the whole capacity, rounds from device state): the same tokens as the torch path."""
+    attention over the whole capacity, rounds from device state; graphs replayed on a GPU): the
+    same tokens as the torch path."""
     from specengine import Engine, SamplingParams
     from specengine.drafters.model import ModelDrafter
 
-    from engine_util import tiny_model
+    from engine_util import assert_kernels_ran, tiny_model
 
     V = 40
     prompts = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27]]
@@ -197,11 +216,13 @@ def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(che
                                                                                       (8, 0.8, 3)]]
     tokens = {}
     for kernels in (False, True):
-        target = tiny_model(V, seed=0, logit_scale=3.0, max_positions=64)
-        draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0, max_positions=64)
-        target.triton_kernels = draft.triton_kernels = kernels
+        target = tiny_model(V, seed=0, logit_scale=3.0, max_positions=64, head_dim=head_dim).to(DEVICE)
+        draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0, max_positions=64, head_dim=head_dim).to(DEVICE)
+        for model in (target, draft):
+            model.use_backend("triton" if kernels else "torch")
         engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=2, cuda_graphs=True, max_batch_size=4,
                         check_every=check_every)
         tokens[kernels] = [r.token_ids for r in engine.generate(prompts, params)]
-        assert target.triton_fallback_reason is None and draft.triton_fallback_reason is None
+        if kernels:  # (the torch run's backend is "torch" by choice)
+            assert_kernels_ran(target, draft)
     assert tokens[True] == tokens[False]

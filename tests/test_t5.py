@@ -18,7 +18,7 @@ from specengine.models.loader import empty_model, load_config
 from specengine.models.t5 import relative_position_bucket
 from specengine.models.t5_config import T5Config
 from specengine.sampling.warp import warp_probs
-from specengine.tiny import make_t5_config, save_random_t5_checkpoint
+from specengine.devtools.tiny import make_t5_config, save_random_t5_checkpoint
 from specengine.tokenizer import TokenizerMismatchError
 from stats_util import chi_square_pvalue
 
@@ -67,21 +67,19 @@ SOURCES = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 2], [21, 
 
 # How a CPU decodes: float32 matrices with the C++ norms and attentions; a bfloat16 checkpoint's
 # matrices kept in bfloat16 (float32 compute), each decoder block one C++ call, or op by op.
-PATHS = {"float32": (torch.float32, True), "bfloat16-whole-block": (torch.bfloat16, True),
-         "bfloat16-per-op": (torch.bfloat16, False), "torch-reference": (torch.float32, None)}
+PATHS = {"float32": (torch.float32, "cpp-ops"), "bfloat16-whole-block": (torch.bfloat16, "cpp-layers"),
+         "bfloat16-per-op": (torch.bfloat16, "cpp-ops"), "torch-reference": (torch.float32, "torch")}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, path, t5):
-    dtype, whole_block = PATHS[path]
+    dtype, backend = PATHS[path]
     folder = t5(variant, dtype=dtype)
     hf, ours = hf_model(folder), load_model(folder)
-    if whole_block is None:
-        ours.cpu_kernels = False
-    else:
-        ours.whole_block_kernels = whole_block
-    assert (ours.whole_block_weights() is not None) == (dtype == torch.bfloat16)
+    assert ours.backend.name == ("cpp-layers" if dtype == torch.bfloat16 else "cpp-ops")  # the loader's choice
+    ours.use_backend(backend)
+    assert (ours.whole_layer_weights() is not None) == (dtype == torch.bfloat16)
     assert ours.head_is_tied == (variant == "t5-relu-tied") == (hf.lm_head.weight is hf.shared.weight)
     ids, mask = padded(SOURCES)
     lengths = mask.sum(1)
@@ -344,7 +342,7 @@ def test_whole_block_op_checks_its_arguments_and_equals_the_model_block(t5):
     c = model.config
     cache = model.new_cache(2, 16)
     model.encode(cache, [[5, 6, 7, 2], [8, 2]])
-    weights = model.whole_block_weights()[0]
+    weights = model.whole_layer_weights()[0]
     x = torch.randn(2, 3, c.d_model)
     positions = torch.tensor([[0, 1, 2], [4, 5, 6]])
     table = model.decoder_distance_bias(cache.capacity + 3)
@@ -352,9 +350,9 @@ def test_whole_block_op_checks_its_arguments_and_equals_the_model_block(t5):
     args = (c.num_heads, c.d_kv, c.activation, c.gated, c.layer_norm_epsilon, positions, *cache.layer(0), 7, table,
             source_last, *cache.cross_layer(0))
     got = t5_decoder_block(x.clone(), weights, *args)
-    model.whole_block_kernels = False  # the same block op by op
+    model.use_backend("cpp-ops")  # the same block op by op
     from specengine.models.t5 import DecoderStep
-    step = DecoderStep(positions, 7, source_last, True, table, None)
+    step = DecoderStep(positions, 7, source_last, "cpp", table)
     torch.testing.assert_close(got, model.decoder[0](x.clone(), step, cache), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="qkv must be a contiguous torch.bfloat16"):
         t5_decoder_block(x.clone(), weights._replace(qkv=weights.qkv.float()), *args)

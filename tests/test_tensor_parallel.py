@@ -16,7 +16,7 @@ from specengine.models.config import ModelConfig
 from specengine.models.llama import LlamaForCausalLM
 from specengine.models.loader import load_model
 
-from tp_cases import GENERATIONS, logit_trace
+from tp_cases import GENERATIONS, logit_trace, serve_with_aborts
 
 # Every architecture whose KV heads split in two (llama-linear-rope has one: the error case).
 ARCHS = ["llama3-rope-gqa", "llama-tied-bias", "mistral-sliding", "qwen2-qkv-bias", "qwen3-qk-norm-tied"]
@@ -91,6 +91,16 @@ def test_generations_equal_one_process(text_pair, ranks):
         else:
             got = reports[0][name]
         assert got == single, name
+
+
+def test_aborts_and_joins_on_a_split_target_equal_one_process(text_pair, ranks):
+    """Aborting a row that is not the batch's last, and a waiting request, on every rank alike:
+    the other requests' tokens are those of one process."""
+    reports = [report["serving"] for report, _ in ranks]
+    assert all(r == reports[0] for r in reports[1:]), "the ranks emitted different tokens"
+    single = serve_with_aborts(Engine.from_pretrained(*text_pair, gamma=3), PROMPTS)
+    assert reports[0] == single and set(single) == {"r0", "r1", "r2", "late", "dropped"}
+    assert single["dropped"] == [] and len(single["late"]) == 10 and len(single["r1"]) == 10
 
 
 @pytest.mark.parametrize("case", ARCHS)

@@ -18,16 +18,16 @@ def logits_of(model, tokens: list[int]) -> torch.Tensor:
     return torch.cat([first, step])
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpp-ops", "torch-ops"])
+@pytest.mark.parametrize("backend", ["cpp-ops", "torch"], ids=["cpp-ops", "torch-ops"])
 @pytest.mark.parametrize("shape", [dict(hidden_size=96, intermediate_size=160, num_heads=12, num_kv_heads=3, num_layers=4),
                                    dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=2)],
                          ids=["wider-deeper", "same-shape"])
 @torch.inference_mode()
-def test_widened_model_computes_the_source(shape, cpu_kernels):
+def test_widened_model_computes_the_source(shape, backend):
     source = tiny_model(vocab_size=50, seed=3, hidden_size=32, logit_scale=4.0)  # 4 heads of 8, 2 kv heads, 2 layers
     wide = widen(source, **shape)
     for m in (source, wide):
-        m.cpu_kernels = cpu_kernels
+        m.use_backend(backend)
     assert wide.config.hidden_size == shape["hidden_size"] and len(wide.model.layers) == shape["num_layers"]
     tokens = [5, 17, 3, 44, 9, 21, 30, 2]
     expected, got = logits_of(source, tokens), logits_of(wide, tokens)

@@ -1,7 +1,7 @@
 """What the tensor-parallel tests run, in one process and on every rank alike."""
 import torch
 
-from specengine.engine.runner import feed
+from specengine.steps.feed import feed
 
 # name -> (gamma, one SamplingParams dict per prompt): greedy, seeded sampling with every warp,
 # and gamma "auto" (chosen from each rank's timings, so rank 0's choice must rule).
@@ -13,6 +13,28 @@ GENERATIONS = {
     "auto": ("auto", [dict(max_new_tokens=12, temperature=0.0), dict(max_new_tokens=12, seed=1),
                       dict(max_new_tokens=10)]),
 }
+
+
+def serve_with_aborts(engine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Requests joining and aborted mid-run (the first row while others run, then a waiting one),
+    driven by step() until the engine drains: each request's tokens, by id (every rank alike)."""
+    from specengine import SamplingParams
+
+    params = [SamplingParams(max_new_tokens=10, temperature=1.0, seed=11 + i) for i in range(len(prompts) + 1)]
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params[i], f"r{i}")
+    for step in range(100):
+        if step == 2:
+            engine.abort("r0")
+            engine.add_request(prompts[0], params[-1], "late")
+            engine.add_request(prompts[1], params[-1], "dropped")
+            engine.abort("dropped")
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if not (engine.has_unfinished_requests() or engine.has_pending_outputs()):
+            break
+    return tokens
 
 
 @torch.no_grad()

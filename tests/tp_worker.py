@@ -19,7 +19,7 @@ from specengine import Engine, SamplingParams  # noqa: E402
 from specengine.layers.parallel import init_tensor_parallel  # noqa: E402
 from specengine.models.loader import load_model  # noqa: E402
 
-from tp_cases import GENERATIONS, logit_trace  # noqa: E402
+from tp_cases import GENERATIONS, logit_trace, serve_with_aborts  # noqa: E402
 
 
 def main(spec_path: str, out_dir: str):
@@ -36,6 +36,8 @@ def main(spec_path: str, out_dir: str):
         engine = Engine.from_pretrained(target, draft, gamma=gamma, tensor_parallel=tp.world_size)
         results = engine.generate(spec["prompts"], [SamplingParams(**p) for p in params])
         report["generations"][name] = [r.token_ids for r in results]
+    engine = Engine.from_pretrained(target, draft, gamma=3, tensor_parallel=tp.world_size)
+    report["serving"] = serve_with_aborts(engine, spec["prompts"])
     save_file(logits, f"{out_dir}/rank{tp.rank}.safetensors")
     Path(f"{out_dir}/rank{tp.rank}.json").write_text(json.dumps(report))
 

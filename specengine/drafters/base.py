@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..sampling.batch import SamplingBatch
+
+if TYPE_CHECKING:  # annotations only
+    from ..steps.graphs import FixedShapeSteps
+    from ..models.loader import Model
 
 
 @dataclass
@@ -25,6 +29,12 @@ class Proposal:
 
 
 class Drafter(Protocol):
+    """Everything the engine asks of a drafter. Drafters subclass it: the members with a body
+    are the defaults of a drafter without a model of its own (the n-gram drafter's)."""
+
+    model: "Model | None" = None          # the draft model (None: a model-free drafter)
+    steps: "FixedShapeSteps | None" = None     # its fixed-shape steps, after use_static_steps
+
     def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True,
                  sources: list[list[int]] | None = None) -> None:
         """Append a row per prompt after the rows in flight (requests that joined the batch), for
@@ -32,17 +42,44 @@ class Drafter(Protocol):
         proposal (gamma="auto" may never draft for a request). sources: with an encoder-decoder
         target, each row's encoder input (the prompts are then the decoder's start); a drafter
         reads it as it needs (a draft model encodes it, the n-gram drafter copies from it)."""
+        ...
 
     def reserve(self, capacity: int) -> None:
         """Room for contexts of `capacity` tokens in every row (the target's cache grew)."""
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         """Up to budgets[b] draft tokens to follow sequences[b] (max(budgets) >= 1)."""
+        ...
 
     @property
     def cache_lengths(self) -> torch.Tensor | None:
         """[B] int64 lengths of the drafter's own KV cache (None without one). Verification sets
         them to min(themselves, the target's new length): drafts past a rejection are forgotten."""
+        return None
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only these rows (in this order); the others' requests have left."""
+        ...
+
+    # ---- fixed-shape steps and rounds run from device state (steps.graphs, engine.device_rounds)
+
+    def use_static_steps(self, max_batch_size: int, capacity: int) -> None:
+        """Run on a persistent cache of max_batch_size rows through fixed-shape steps (CUDA graphs
+        on a GPU). A drafter without a model has nothing to run there."""
+
+    def runs_in_device_rounds(self, sequences: list[list[int]]) -> bool:
+        """Whether the next rounds over these sequences may run from device state: the drafter's
+        whole draft phase is then device ops (draft_phase_in_round)."""
+        return False
+
+    def draft_phase_in_round(self, last_two: torch.Tensor, lengths: torch.Tensor, real: torch.Tensor,
+                             sampling: SamplingBatch, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft phase of a round run from device state (see ModelDrafter)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft in rounds run from device state")
+
+    def cache_row_lengths(self, rows: int) -> torch.Tensor:
+        """[rows] int64, the lengths of the first `rows` rows of the persistent cache (a view)."""
+        raise NotImplementedError(f"{type(self).__name__} has no persistent cache")
+
+    def resync(self, lengths: list[int]) -> None:
+        """After rounds run from device state: the rows now hold sequences of these lengths."""

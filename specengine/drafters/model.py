@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.graphs import StepGraphs
-from ..engine.runner import append_prompts, feed, to_device
+from ..steps.graphs import FixedShapeSteps
+from ..steps.feed import append_prompts, feed, to_device
 from ..models.loader import Model
 from ..ops.verify import sample_warped
 from ..sampling.batch import SamplingBatch
 from ..sampling.rng import STREAM_DRAFT, uniforms
-from .base import Proposal
+from .base import Drafter, Proposal
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     def __init__(self, model: Model, vocab_size: int, num_real_tokens: int):
         """vocab_size: the target's logit width; num_real_tokens: ids a draft may propose (the
         tokenizer's), so a draft with a padded embedding never proposes a padding id."""
@@ -20,14 +20,14 @@ class ModelDrafter:
         self.vocab_size = vocab_size
         self.num_real_tokens = min(num_real_tokens, vocab_size, model.config.vocab_size)
         self.cache = None
-        self.steps: StepGraphs | None = None
+        self.steps: FixedShapeSteps | None = None
         # The cache's lengths as last advanced by this drafter, kept on the host: with the
         # sequences' lengths they give the lengths after verification without a device read.
         self.fed: list[int] = []
 
     def use_static_steps(self, max_batch_size: int, capacity: int):
-        """Run draft steps on a persistent cache through StepGraphs (CUDA graphs on a GPU)."""
-        self.steps = StepGraphs(self.model, max_batch_size, capacity)
+        """Run draft steps on a persistent cache through FixedShapeSteps (CUDA graphs on a GPU)."""
+        self.steps = FixedShapeSteps(self.model, max_batch_size, capacity)
 
     def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True,
                  sources: list[list[int]] | None = None):
@@ -139,10 +139,15 @@ class ModelDrafter:
         self.cache.row_lengths(real.shape[0]).copy_(row_lengths + (G - 1))
         return tokens, logits
 
-    def caught_up(self, sequences: list[list[int]]) -> bool:
-        """Whether each row's cache lacks at most the static catch-up's last tokens (all that a
-        round run from device state feeds it; after rounds at gamma 0 it lacks more)."""
-        return all(len(seq) - min(fed, len(seq) - 1) <= self.CATCH_UP_WIDTH for seq, fed in zip(sequences, self.fed))
+    def runs_in_device_rounds(self, sequences: list[list[int]]) -> bool:
+        """With static steps, whether each row's cache lacks at most the static catch-up's last
+        tokens (all that a round run from device state feeds it; after rounds at gamma 0 it lacks
+        more)."""
+        return self.steps is not None and all(len(seq) - min(fed, len(seq) - 1) <= self.CATCH_UP_WIDTH
+                                              for seq, fed in zip(sequences, self.fed))
+
+    def cache_row_lengths(self, rows: int) -> torch.Tensor:
+        return self.cache.row_lengths(rows)
 
     def resync(self, lengths: list[int]):
         """After rounds run from device state: the rows now hold sequences of these lengths. The

@@ -10,7 +10,7 @@ import torch
 
 from .. import _C
 from ..sampling.batch import SamplingBatch
-from .base import Proposal
+from .base import Drafter, Proposal
 
 
 def ngram_propose_reference(tokens: list[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
@@ -24,7 +24,7 @@ def ngram_propose_reference(tokens: list[int], min_n: int, max_n: int, max_draft
     return []
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """With an encoder-decoder target the search also covers each row's encoder input, placed
     before its decoded sequence: a summary or a translation copies spans of its source, and a
     match in the sequence itself, being later, still wins."""
@@ -42,7 +42,7 @@ class NgramDrafter:
             [np.zeros(0, dtype=np.int64)] * len(prompts)
 
     def reserve(self, capacity: int):
-        pass
+        pass  # no cache
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         drafts = [
@@ -57,10 +57,6 @@ class NgramDrafter:
         num = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
         device = sampling.seeds.device
         return Proposal(tokens.to(device), num.to(device), None, draft_calls=0)
-
-    @property
-    def cache_lengths(self):
-        return None
 
     def keep_rows(self, rows):
         self.sources = [self.sources[i] for i in rows]

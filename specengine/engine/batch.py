@@ -9,13 +9,13 @@ from __future__ import annotations
 from ..drafters.base import Drafter
 from ..layers.kv_cache import StaticKVCache
 from ..sampling.batch import SamplingBatch
-from .graphs import StepGraphs
+from ..steps.graphs import FixedShapeSteps
 from .request import Request
-from .runner import append_prompts
+from ..steps.feed import append_prompts
 
 
 class RunningBatch:
-    def __init__(self, target, drafter: Drafter | None, target_steps: StepGraphs | None,
+    def __init__(self, target, drafter: Drafter | None, target_steps: FixedShapeSteps | None,
                  max_seq_len: int):
         """target_steps: the persistent cache of fixed-shape steps (rows and capacity fixed), or None
         for a cache that grows as requests join."""
@@ -77,6 +77,15 @@ class RunningBatch:
         if self.drafter is not None:
             self.drafter.keep_rows(rows)
         self._sampling()
+
+    def clear(self):
+        """Drop every row, whatever state the caches are in (after a failure)."""
+        self.requests = []
+        if self.cache is not None:
+            self.cache.clear()
+        if self.drafter is not None:
+            self.drafter.keep_rows([])
+        self.sampling = None
 
     def _sampling(self):
         device = self.target.device

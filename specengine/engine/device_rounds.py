@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.verify import verify
-from ..sampling.batch import InvalidLogitsError, SamplingBatch, logits_valid
-from .graphs import StepGraphs
-from .runner import to_device
+from ..sampling.batch import SamplingBatch, logits_valid
+from ..steps.graphs import FixedShapeSteps
+from ..steps.feed import to_device
+from .verification import verify_round
 
 
 @dataclass
@@ -32,6 +32,7 @@ class RowRounds:
     accepted: int
     rejections: int         # rounds that ended by rejecting a draft
     histogram: list[int]    # [G + 1]: rounds by drafts accepted
+    failure: str | None = None  # why the row keeps nothing of these rounds (its logits broke)
 
 
 def rounds_that_fit(rooms: list[int], gamma: int) -> int:
@@ -42,7 +43,7 @@ def rounds_that_fit(rooms: list[int], gamma: int) -> int:
 
 
 @torch.inference_mode()
-def run_block(target_steps: StepGraphs, drafter, sampling: SamplingBatch, sequences: list[list[int]], gamma: int,
+def run_block(target_steps: FixedShapeSteps, drafter, sampling: SamplingBatch, sequences: list[list[int]], gamma: int,
               rounds: int, max_rounds: int, verify_impl: str, phases) -> list[RowRounds]:
     """`rounds` (<= max_rounds) rounds of gamma drafts for every row (sequences of at least two
     tokens, every one with room for them, see rounds_that_fit), with one read from the device at
@@ -68,7 +69,7 @@ def run_block(target_steps: StepGraphs, drafter, sampling: SamplingBatch, sequen
         buffers[name][:B].copy_(getattr(sampling, name))
     round_fn = lambda **b: _round(target_steps, drafter, layout, sampling.filters, verify_impl, **b)  # noqa: E731
     # A round advances its own state and both caches' lengths: a capture's warm-ups are undone.
-    lengths = (target_steps.cache.row_lengths(bucket),) + ((drafter.cache.row_lengths(bucket),) if G > 0 else ())
+    lengths = (target_steps.cache.row_lengths(bucket),) + ((drafter.cache_row_lengths(bucket),) if G > 0 else ())
     for _ in range(rounds):
         with phases("round"):
             target_steps.graphs.run(key, round_fn, state=lengths)
@@ -82,19 +83,19 @@ def run_block(target_steps: StepGraphs, drafter, sampling: SamplingBatch, sequen
         torch.cuda.current_stream(device).synchronize()
         state = host
     rows = state.tolist()
-    for i, name in enumerate(("draft", "target")):  # before any token of the block is kept
-        if not all(row[layout.finite + i] for row in rows):
-            raise InvalidLogitsError(f"{name} logits had NaN or infinite entries within a block of {rounds} "
-                                     "rounds; nothing of the block was kept")
+    # A row whose logits broke keeps nothing of the block; the other rows are unaffected.
+    failures = [next((f"{name} logits had NaN or infinite entries within a block of {rounds} rounds; nothing of "
+                      "the block was kept" for i, name in enumerate(("draft", "target")) if not row[layout.finite + i]),
+                     None) for row in rows]
     n_rows = [row[layout.count] for row in rows]
     if G > 0:
         drafter.resync([len(s) + n for s, n in zip(sequences, n_rows)])
     outcomes = []
-    for row, n in zip(rows, n_rows):
+    for row, n, failure in zip(rows, n_rows, failures):
         hist = row[layout.histogram:layout.histogram + G + 1]
         outcomes.append(RowRounds(tokens=row[layout.out:layout.out + n], rounds=rounds, draft_calls=rounds * G,
                                   drafted=rounds * G, accepted=sum(k * c for k, c in enumerate(hist)),
-                                  rejections=rounds - hist[G], histogram=hist))
+                                  rejections=rounds - hist[G], histogram=hist, failure=failure))
     return outcomes
 
 
@@ -127,7 +128,7 @@ class _Layout:
         return self.finite + 2
 
 
-def _round(target_steps: StepGraphs, drafter, layout: _Layout, filters: bool, verify_impl: str, state, temperature,
+def _round(target_steps: FixedShapeSteps, drafter, layout: _Layout, filters: bool, verify_impl: str, state, temperature,
            top_k, top_p, min_p, seeds) -> tuple:
     """One round of the whole bucket from its state, written back into it: the draft phase, the
     target's verification, the verify kernel (which advances both caches' lengths), and the next
@@ -148,11 +149,10 @@ def _round(target_steps: StepGraphs, drafter, layout: _Layout, filters: bool, ve
     (logits,) = target_steps.forward(torch.cat([last_two[:, 1:], drafts], dim=1),
                                      torch.where(real, lengths - 1, capacity))  # [bucket, G+1, V]
     finite[:, 1] *= logits_valid(logits)
-    emitted, counts = verify(logits, draft_logits, drafts.contiguous(), torch.where(real, G, 0), temperature, top_k,
-                             top_p, min_p, seeds, lengths.contiguous(),
-                             target_lengths=target_steps.cache.row_lengths(bucket),
-                             draft_lengths=drafter.cache.row_lengths(bucket) if G > 0 else None, impl=verify_impl,
-                             filters=filters)
+    emitted, counts = verify_round(logits, draft_logits, drafts.contiguous(), torch.where(real, G, 0), sampling,
+                                   lengths.contiguous(), target_lengths=target_steps.cache.row_lengths(bucket),
+                                   draft_lengths=drafter.cache_row_lengths(bucket) if G > 0 else None,
+                                   impl=verify_impl)
     # Append the emitted tokens to each row's output (the rest of the row goes to the spill column).
     column = torch.arange(G + 1, device=real.device)
     kept = column < counts[:, None]

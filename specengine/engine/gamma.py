@@ -8,22 +8,19 @@ gamma="auto" picks, each round, the g that maximises the batch's expected tokens
 from costs measured on this machine at that batch size (verifying k tokens is not free on a
 CPU) and a smoothed estimate of alpha per request. g = 0 is plain target-only decoding, so a
 useless draft costs only the occasional probe that keeps the estimates of alpha alive, and the
-decision itself. On a 2-core CPU at batch 1 they took ~50 us and ~45 us of a ~5.8 ms round: with
-a useless draft, auto decoded 1.8-2.7% below target-only decoding (see the README).
+decision itself.
+
+This module is the policy only; engine/costs.py measures the step costs it decides from. What the
+policy's parts were measured to gain or cost is in bench/results/gamma-policy-2026-11-29-to-12-01.md.
 """
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import torch
-
-from ..ops.verify import sample_warped
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -101,10 +98,9 @@ class CostModel:
 class AcceptanceEstimate:
     """A request's alpha: its accepted / tested drafts with exponential forgetting, shrunk towards
     prior_alpha (the finished requests') by prior_weight tests that are never forgotten, so that
-    through rounds at gamma 0 it drifts back to prior_alpha. Its own window holds ~25 tests at
-    batch 1 (~10 rounds), too few to tell alpha 0.74 from 0.80: alone, their noise chose gamma 1
-    where gamma 3 paid and left gamma="auto" 2.4% below fixed gamma 3 at temperature 1 on the
-    shipped pair (specengine.replay); shrunk, 1.2%."""
+    through rounds at gamma 0 it drifts back to prior_alpha. Its own window (the last ~10 rounds)
+    holds too few tests to tell nearby alphas apart, and alone their noise chooses too short a
+    gamma; the prior steadies it."""
 
     accepted: float = 0.0
     rejected: float = 0.0
@@ -152,7 +148,7 @@ class GammaController:
     PROBE_SHARE = 0.02  # ... or more, so that probes cost at most about this share of the time
     # A probe that finds the draft still useless doubles the wait for the next one: a draft that
     # never pays costs a request of n rounds about log2(n / PROBE_EVERY) probes, not n / 16
-    # (each probe also feeds the draft model what it missed, ~2 ms at batch 1 on a 2-core CPU).
+    # (each probe also feeds the draft model what it missed since it last drafted).
     MAX_BACKOFF = 4  # waits of at most 16x: the draft is re-tested at least every 256 rounds
 
     PRIOR_WEIGHT = 5.0  # draft tests' worth of the finished requests' alpha in every request's estimate
@@ -168,14 +164,11 @@ class GammaController:
             raise ValueError("cost models must cover the same gammas")
         # Acceptance over the finished requests' tests (the last ~100 dominate: FINISHED_KEEP per
         # test): what every request's estimate is shrunk towards, so a new one does not spend its
-        # first rounds drafting for alpha = 0.5. Weighed by tests, not requests: halved per request,
-        # eight rows of a batch of 8 that had only probed (two tests each) outweighed a batch-1
-        # request's hundred, and the last of them set the next requests' prior (0.39 where alpha
-        # was 0.8). Before any request: alpha 0.5, worth one accepted and one rejected test.
-        # Kept apart for greedy and sampled requests: their alphas differ (the paper's Table 3;
-        # on random T5-shaped models 1.0 greedy against 0.17 at T=1), and one shared prior, pulled
-        # down by sampled requests, kept a mixed run's greedy requests from ever drafting (gamma
-        # "auto" at 1.0x where drafting paid 1.63x, bench/results/t5-2026-12-01.md).
+        # first rounds drafting for alpha = 0.5. Weighed by tests, not requests, so that rows that
+        # only probed (two tests each) do not outweigh a request that drafted a hundred times.
+        # Before any request: alpha 0.5, worth one accepted and one rejected test.
+        # Kept apart for greedy and sampled requests: their alphas differ (the paper's Table 3), and
+        # one shared prior, pulled down by sampled requests, keeps greedy ones from drafting.
         self.finished = {greedy: AcceptanceEstimate(accepted=1.0, rejected=1.0, prior_weight=0.0, decay=1.0)
                          for greedy in (False, True)}
         # Per (measured batch size (see _batch_key), greedy): the last finished request's
@@ -183,12 +176,11 @@ class GammaController:
         self.finished_wait: dict[tuple[int, bool], tuple[int, int]] = {}
         # Per (cost model, drafting or not): the smoothed time a round took beyond its modelled
         # draft steps and target call. The fused verify step and the loop's bookkeeping cost the
-        # same at any gamma (about 0.7 ms a round at batch 1 on a 2-core CPU), which favours
-        # drafting more per round. Rounds that draft also pay the drafter's own host work: on an
-        # H200 with CUDA graphs a drafting round took ~10 ms beyond its replayed steps against
-        # ~1 ms for a target-only round, so one shared estimate kept drafting where target-only
-        # decoding was 2.5x faster. The first drafting round after rounds at gamma 0 also feeds
-        # the drafter what it missed; it is left out (learning from it kept gamma at 0 on the CPU).
+        # same at any gamma, which favours drafting more per round. Rounds that draft also pay the
+        # drafter's own host work, which can far exceed a target-only round's (a GPU, with CUDA
+        # graphs): one shared estimate would keep drafting where target-only decoding is faster.
+        # The first drafting round after rounds at gamma 0 also feeds the drafter what it missed;
+        # it is left out (learning from it would price drafting as if every round paid a catch-up).
         self.overhead_s: dict[tuple[int, bool], float] = {}  # (measured batch size, drafting): seconds
         self._costs_at: dict[int, CostModel] = {}  # see costs_for
         self._key_at: dict[int, int] = {}  # see _batch_key
@@ -205,15 +197,14 @@ class GammaController:
         """Fold a finished request into the start of the next ones: its accepted drafts and
         rejections into their prior alpha, and its unanswered probes and rounds since it drafted
         into the wait for the next probe of requests in batches of its size. A draft useless for
-        the last requests is re-tested after up to 256 rounds, not 16 (with a probe every 16
-        rounds or so, a useless draft's probes and catch-ups cost 3-4% of decoding at batch 1 on a
-        2-core CPU); the wait runs on across requests, so requests shorter than it still reach the
-        next probe (started afresh, requests of 128 tokens never probed again, and a draft that paid
-        again was never used). Waits are kept per batch size, the one of the request's last round:
-        where drafting pays at batch 1 and not at batch 8 (a CPU), batch-1 requests that drafted,
-        and the last rows of a batch of 8 drafting when alone, restarted the wait of the batch-8
-        requests after them, whose probes then came every ~50 rounds, each feeding the draft model
-        what 8 rows had missed (~3% of decoding at batch 8 in the e2e run of 2026-11-30 08:37)."""
+        the last requests is re-tested after up to 256 rounds, not 16, since each probe and its
+        catch-up cost a round's worth of drafting; the wait runs on across requests, so requests
+        shorter than it still reach the next probe (started afresh, short requests would never
+        probe again, and a draft that paid again would never be used). Waits are kept per batch
+        size, the one of the request's last round: where drafting pays at one batch size and not at
+        another, requests that drafted at the one must not restart the wait of requests at the
+        other, whose probes would then come far more often, each feeding the draft what all their
+        rows had missed."""
         finished = self.finished[estimate.greedy]
         finished.fade(self.FINISHED_KEEP ** (accepted + rejections))
         finished.update(accepted, rejections)
@@ -228,9 +219,9 @@ class GammaController:
         """The model measured at this batch size. Between measured sizes (the rows left when others
         finish), a target call costs what the measured calls on as many tokens in all cost
         (interpolated over batch * tokens: a matrix product's cost follows its rows), and a draft
-        step is interpolated over the batch size. Batch 1's costs taken for 4 rows, whose
-        verification of 2 tokens costs as much as 8 rows' of one on a CPU, drafted where batch 8
-        drafted nothing. Outside the measured sizes, the nearest."""
+        step is interpolated over the batch size (taking the smaller size's costs would price
+        verifying several tokens of a few rows as cheap as at batch 1, where on a CPU it is not).
+        Outside the measured sizes, the nearest."""
         if batch_size not in self._costs_at:  # asked up to three times a round: built once per size
             self._costs_at[batch_size] = self._costs_between(batch_size)
         return self._costs_at[batch_size]
@@ -313,10 +304,10 @@ class GammaController:
 
     def probe_interval(self, batch_size: int) -> int:
         """Rounds at gamma 0 between probes (one-draft rounds that re-measure alpha): PROBE_EVERY,
-        or more where a probe costs more than PROBE_SHARE of the rounds between probes. At batch 8
-        on a 2-core CPU, verifying 2 tokens took 1.8x one: a probe every 16 rounds cost 5-6% of
-        decoding time, against 2% at batch 1. Each probe after which a row went back to gamma 0
-        doubles that row's wait (see choose), up to 2^MAX_BACKOFF times this."""
+        or more where a probe costs more than PROBE_SHARE of the rounds between probes (at larger
+        batches on a CPU, verifying 2 tokens costs far more than one, and so does a probe). Each
+        probe after which a row went back to gamma 0 doubles that row's wait (see choose), up to
+        2^MAX_BACKOFF times this."""
         costs = self.costs_for(batch_size)
         plain, drafting = self.round_overheads(batch_size)
         extra = costs.round_seconds(1, drafting) - costs.round_seconds(0, plain)
@@ -325,79 +316,7 @@ class GammaController:
     def _paying_gamma(self, alphas: list[float], limit: int) -> int:
         """The best gamma (at most limit) for rows with these alphas, or 0 where its predicted
         tokens per second beat target-only decoding's by less than DRAFT_MARGIN: step costs and
-        alpha estimates are noisy (a few % on a 2-core CPU), and a near-tie bet loses as often as
-        it wins (batch 8 on that CPU, where target-only decoding was the fastest in every run)."""
+        alpha estimates are noisy (a few per cent), and a near-tie bet loses as often as it wins."""
         rates = self.costs_for(len(alphas)).rates(alphas, *self.round_overheads(len(alphas)))
         gamma = min(rates.index(max(rates)), limit)
         return gamma if rates[gamma] >= (1 + self.DRAFT_MARGIN) * rates[0] else 0
-
-
-def _seconds(call) -> float:
-    """Wall-clock seconds of call(), its GPU work included."""
-    t0 = time.perf_counter()
-    call()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-@torch.inference_mode()
-def measure_costs(target, draft, max_gamma: int, batch_size: int = 1, context: int = 64, reps: int = 7,
-                  target_steps=None, draft_steps=None) -> CostModel:
-    """Time the target on 1..max_gamma+1 tokens and one draft step for `batch_size` rows at `context`
-    cached tokens (a draft of None costs nothing). A draft step is what a drafter pays per token:
-    the forward, and warping and sampling its distribution (measured 15-30% of the forward on CPU).
-    target_steps, draft_steps: the engine's StepGraphs when it runs fixed-shape steps; then their
-    calls are timed (replayed CUDA graphs on a GPU), since that is what its rounds pay."""
-    def step(model, tokens: int, steps=None, then=None):
-        """A call of `model` on `tokens` new tokens per row (then `then` on its last logits)."""
-        if steps is not None:
-            cache = steps.new_batch(batch_size)
-            cache.lengths.fill_(max(0, min(context, cache.capacity - tokens)))
-            forward = lambda x: steps(x, cache.lengths)  # noqa: E731
-        else:
-            cache = model.new_cache(batch_size, context + tokens)
-            cache.pretend_filled(context)
-            forward = lambda x: model.logits(model(x, cache.lengths.clone(), cache, kv_len=context + tokens))  # noqa: E731
-        x = torch.zeros(batch_size, tokens, dtype=torch.int64, device=model.device)
-
-        def call():
-            logits = forward(x)
-            if then is not None:
-                then(logits[:, -1])
-        return call
-
-    def sample(logits):
-        rows, device = logits.shape[0], logits.device
-        ones, zeros = torch.ones(rows, device=device), torch.zeros(rows, device=device)
-        # temperature 1, no top-k / top-p / min-p: the softmax path every sampled row takes
-        sample_warped(logits, ones, zeros.long(), ones, zeros, 0.5 * ones)
-
-    target_calls = [step(target, k, target_steps) for k in range(1, max_gamma + 2)]
-    draft_call = step(draft, 1, draft_steps, then=sample) if draft is not None else None
-    calls = target_calls + ([draft_call] if draft_call else [])
-    # Three warm-up rounds: the first timings of a fresh process ran up to 1.7x slow on a 2-core
-    # CPU (batch 8, one token: 23.9 ms against 13.9 later), which made drafting look cheap.
-    for _ in range(3):
-        for call in calls:
-            call()
-    # Interleaved, one of each call per round, median over the rounds: timed one after the other
-    # (seven calls each) on a 2-core VM, the draft step came out anywhere from 0.75 to 1.09 ms and
-    # the target on 3 tokens from 6.9 to 8.0 ms from one start-up to the next, as a slow stretch
-    # fell on one of them, and gamma="auto" chose differently each time. Interleaved, six start-ups
-    # put the target on 3 tokens at 7.0-7.3 ms.
-    target_s: list[list[float]] = [[] for _ in target_calls]
-    draft_s: list[float] = []
-    for _ in range(reps):
-        for call, seconds in zip(target_calls, target_s):
-            seconds.append(_seconds(call))
-        if draft_call is not None:
-            # A round's draft steps run back to back. The first, right after a target call, also
-            # reloads the draft's weights into the CPU's caches (1.2-1.5 ms against 0.8-0.9 on a
-            # 2-core CPU): a cost per drafting round, which its learned overhead covers
-            # (GammaController.observe_round), not per step. So the steps timed follow another
-            # (three a round: the draft step is short, and its timings the noisiest).
-            draft_call()
-            draft_s += [_seconds(draft_call) for _ in range(3)]
-    return CostModel(statistics.median(draft_s) if draft_s else 0.0,
-                     tuple(statistics.median(seconds) for seconds in target_s))

@@ -58,7 +58,7 @@ class StaticKVCache:
 
     def pretend_filled(self, length: int):
         """Make every row in use hold `length` entries (whatever they contain): what timing a step
-        at that context needs (engine.gamma.measure_costs)."""
+        at that context needs (engine.costs.measure_costs)."""
         self.lengths.fill_(length)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +101,11 @@ class StaticKVCache:
         """Make `view` hold this cache's rows from `start` on (the same storage)."""
         view.capacity = self.capacity
         view.k, view.v, view._lengths = self.k[:, start:], self.v[:, start:], self._lengths[start:]
+
+    def clear(self):
+        """Forget every row in use (nothing on the device is touched: it works whatever state a
+        failure left the tensors in)."""
+        self.batch_size = 0
 
     def keep_rows(self, rows: list[int]):
         """Move the listed rows (in order) to the front and forget the others (finished requests)."""

@@ -1,33 +1,24 @@
 import torch
 from torch import nn
 
-from ..ops.norm import rms_norm_cpp, rms_norm_reference
+from .. import ops
+from ..ops.norm import add_rms_norm, rms_norm
 from .tracked import TracksParameterAssignments
 
 
 class RMSNorm(TracksParameterAssignments):
-    """Llama RMSNorm (see ops.norm). cpu_kernels: the caller allows the C++ op, which is taken for
-    float32 on a CPU (the model decides once per forward, see LlamaForCausalLM.cpu_kernels)."""
+    """Llama RMSNorm's weight and eps, applied by ops.norm with the implementation the caller's
+    backend runs (impl: "cpp", "triton" or "reference", see models.backend)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
-        if cpu_kernels and self.weight.dtype == torch.float32:
-            return rms_norm_cpp(x, self.weight, self.eps)
-        return rms_norm_reference(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, impl: str = "reference") -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, impl, check=ops.CHECK_MODEL_CALLS)
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None, cpu_kernels: bool = False,
-                     triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm): the residual add before a norm (no add without a delta). The
-        Triton kernel does both in one launch and updates x in place; the others return a new x,
-        so that a forward with gradients keeps the tensors it saved."""
-        if triton:
-            from ..kernels.norm import add_rms_norm_triton
-
-            return x, add_rms_norm_triton(x, self.weight, self.eps, delta)
-        if delta is not None:
-            x = x + delta
-        return x, self(x, cpu_kernels)
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                     impl: str = "reference") -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm): the residual add before a norm (see ops.norm.add_rms_norm)."""
+        return add_rms_norm(x, delta, self.weight, self.eps, impl, check=ops.CHECK_MODEL_CALLS)

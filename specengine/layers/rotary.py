@@ -2,10 +2,30 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from ..models.config import RopeConfig
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.theta <= 0 or self.factor <= 0:
+            raise ValueError(f"rope theta and factor must be positive, got {self.theta}, {self.factor}")
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

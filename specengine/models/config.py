@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..layers.rotary import RopeConfig
+
 # Architecture name in config.json -> the per-architecture switches of our one Llama-family model.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": dict(qkv_bias=None, qk_norm=False),
@@ -12,7 +14,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=None, qk_norm=True),
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # The encoder-decoder architecture (models.t5, configured by models.t5_config).
 T5_ARCHITECTURE = "T5ForConditionalGeneration"
 
@@ -21,23 +22,8 @@ class ConfigError(ValueError):
     """A checkpoint's config.json asks for something this engine does not implement."""
 
 
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    # llama3 only
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self):
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(
-                f"rope type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        if self.theta <= 0 or self.factor <= 0:
-            raise ConfigError(f"rope theta and factor must be positive, got {self.theta}, {self.factor}")
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing, incomplete or does not match its config."""
 
 
 @dataclass(frozen=True)
@@ -169,4 +155,7 @@ def _parse_rope(raw: dict) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                      "original_max_position_embeddings") if k in params}
-    return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
+    try:
+        return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

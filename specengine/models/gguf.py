@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .loader import CheckpointError
+from .config import CheckpointError
 
 # llama.cpp's architecture names -> ours. llama.cpp writes Mistral as "llama" (told apart by
 # its general.name, as transformers does).
@@ -245,7 +245,13 @@ def convert_gguf(path: str | Path, out_dir: str | Path, progress: bool = True) -
         generation = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
         (work / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         tokenizer.save_pretrained(str(work))
-        os.chmod(work, 0o755)  # mkdtemp made it private
+        # mkdtemp made the folder private and safetensors writes its file 0600 (through a temporary
+        # file): give everything the mode a plain write would, as the other files have.
+        umask = os.umask(0o022)  # reading the umask means setting it
+        os.umask(umask)
+        for item in work.rglob("*"):
+            os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~umask)
+        os.chmod(work, 0o777 & ~umask)
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(work, out_dir)

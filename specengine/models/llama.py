@@ -8,24 +8,23 @@ the model holds one rank's share (layers.parallel; checkpoint_slices says what i
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..layers.kv_cache import StaticKVCache
 from ..layers.linear import GEMM_ROWS, Linear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.parallel import TensorParallel, TensorParallelError
 from ..layers.rotary import rope_cos_sin, rope_inv_freq
 from ..layers.tracked import KeepsParameterViews
-from ..ops.attention import attention_mask, cached_attention_cpp, cached_attention_reference, cached_attention_triton
-from ..ops.decoder_layer import DecoderLayerWeights, decoder_layer_cpp
+from ..ops.activation import silu_mul
+from ..ops.attention import attention_mask, cached_attention
+from ..ops.decoder_layer import DecoderLayerWeights, decoder_layer
+from .backend import Backend, RunsOnBackend
 from .config import ModelConfig
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,9 +35,8 @@ class StepInputs:
     cos: torch.Tensor         # [B, T, head_dim] rotary tables at those positions
     sin: torch.Tensor         # [B, T, head_dim]
     kv_len: int               # cache keys a query may see (max position + 1, clipped to capacity)
-    cpu_kernels: bool         # take specengine._C's fused float32 CPU ops
-    triton: bool              # take specengine.kernels' step kernels (norms, rotary, attention, SiLU)
-    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the torch attention (None with either kernels)
+    impl: str                 # the ops' implementation: "cpp", "triton" or "reference" (models.backend)
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the reference attention (None for the others)
 
 
 def _output(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> Linear:
@@ -66,6 +64,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.norm_eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor, step: StepInputs, cache: StaticKVCache) -> torch.Tensor:
         # x [B, T, hidden]
@@ -76,19 +75,10 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         cache_k, cache_v = cache.layer(self.layer_idx)
-        if step.triton:  # q/k norms inside the rotary launch
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
-            out = cached_attention_triton(q, k, v, step.cos, step.sin, step.positions, cache_k, cache_v, step.kv_len,
-                                          self.sliding_window, *norms)
-            return self.o_proj(out)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q, step.cpu_kernels), self.k_norm(k, step.cpu_kernels)
-        if step.cpu_kernels:
-            out = cached_attention_cpp(q, k, v, step.cos, step.sin, step.positions, cache_k, cache_v, step.kv_len,
-                                       self.sliding_window)
-        else:
-            out = cached_attention_reference(q, k, v, step.cos, step.sin, step.positions, cache_k, cache_v,
-                                             step.kv_len, step.mask)
+        q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        out = cached_attention(q, k, v, step.cos, step.sin, step.positions, cache_k, cache_v, step.kv_len,
+                               self.sliding_window, step.impl, q_norm=q_norm, k_norm=k_norm, norm_eps=self.norm_eps,
+                               mask=step.mask, check=ops.CHECK_MODEL_CALLS)
         return self.o_proj(out)
 
 
@@ -101,13 +91,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = _output(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor, triton: bool = False) -> torch.Tensor:
-        if triton:
-            from ..kernels.activation import silu_mul_triton
-
-            return self.down_proj(silu_mul_triton(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, impl: str = "reference") -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x), impl, check=ops.CHECK_MODEL_CALLS))
 
 
 class DecoderLayer(nn.Module):
@@ -131,10 +116,9 @@ class DecoderLayer(nn.Module):
         """(the residual stream after this layer's attention, this layer's MLP output). The MLP
         output is added by the next norm, fused with it where the step kernels run; delta is the
         previous layer's MLP output (None for the first layer)."""
-        x, h = self.input_layernorm.add_and_norm(x, delta, step.cpu_kernels, step.triton)
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, step, cache), step.cpu_kernels,
-                                                          step.triton)
-        return x, self.mlp(h, step.triton)
+        x, h = self.input_layernorm.add_and_norm(x, delta, step.impl)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, step, cache), step.impl)
+        return x, self.mlp(h, step.impl)
 
 
 class Backbone(nn.Module):
@@ -145,7 +129,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(KeepsParameterViews):
+class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
     is_encoder_decoder = False
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
@@ -172,23 +156,9 @@ class LlamaForCausalLM(KeepsParameterViews):
         # Kept out of the module's buffers so that model.to(bfloat16) cannot round it.
         self._inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_at
-        # Fused C++ ops (RMSNorm; rotary, cache write and attention) for float32 inference on a
-        # CPU, where the torch ops' dispatch was most of a small model's decode step. They have
-        # no autograd, so a forward with gradients enabled takes the torch ops. Tests switch
-        # this off to run the torch reference path on CPU.
-        self.cpu_kernels = True
-        # With bfloat16-stored matrices (the loader's choice for a bfloat16 checkpoint on a CPU),
-        # each decoder layer is one C++ call (ops.decoder_layer) instead of about 20 Python and
-        # torch calls. Tests switch this off to compare with the per-op path.
-        self.whole_layer_kernels = True
-        # The Triton step kernels (specengine.kernels: RMSNorm with the residual add, rotary with
-        # the cache write, split-KV attention, SiLU-and-multiply): None takes them on CUDA, False
-        # never (the torch path), True also on a CPU (Triton's interpreter: tests).
-        self.triton_kernels: bool | None = None
-        # Why the kernels were switched off, if their first forward failed (a Triton that cannot
-        # compile them): the model then runs the torch path, as CUDA graphs fall back to eager.
-        self.triton_fallback_reason: str | None = None
-        self._triton_proven = False
+        # Which ops run (C++ whole layers, C++ ops, Triton, torch): see models.backend. The
+        # loader chooses again once the matrices have their storage dtype.
+        self.use_backend()
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every weight a Hugging Face checkpoint of this model holds, by its name there, as the
@@ -265,46 +235,27 @@ class LlamaForCausalLM(KeepsParameterViews):
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         kv_len = min(kv_len, cache.capacity)
-        # Neither kind of kernel has autograd: a forward with gradients takes the torch ops.
-        triton = (tokens.device.type == "cuda" if self.triton_kernels is None else self.triton_kernels) and \
-            not torch.is_grad_enabled()
-        if triton and not self._triton_proven:
-            try:  # the first forward compiles the kernels; the same forward on the torch path redoes its writes
-                hidden = self._forward(tokens, positions, cache, kv_len, triton=True)
-            except Exception as exc:  # noqa: BLE001 (any failure means: the torch path, and say why)
-                self.triton_kernels, self.triton_fallback_reason = False, f"{type(exc).__name__}: {exc}"
-                log.warning("the Triton step kernels failed (%s); running the torch path", self.triton_fallback_reason)
-                return self._forward(tokens, positions, cache, kv_len, triton=False)
-            self._triton_proven = True
-            return hidden
-        return self._forward(tokens, positions, cache, kv_len, triton)
+        return self.run_on_backend(self._forward, tokens, positions, cache, kv_len)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, kv_len: int,
-                 triton: bool) -> torch.Tensor:
-        T = tokens.shape[1]
+                 backend: Backend) -> torch.Tensor:
+        T, c = tokens.shape[1], self.config
         # Real tokens sit below the capacity; padding starts at most at it (the spill slot).
         cos, sin = self.rope_at(positions, cache.capacity + T)
-        cpu_kernels = (self.cpu_kernels and tokens.device.type == "cpu" and self.dtype == torch.float32
-                       and not torch.is_grad_enabled() and not triton)
         # Each query sees keys at or before its own position: the row's valid prefix plus the
         # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
-        mask = None if cpu_kernels or triton else attention_mask(positions, kv_len, self.config.sliding_window)
-        x = self.embed(tokens)
-        # A prefill-sized call takes the per-op path, whose products become GEMMs (see layers.linear).
-        # A split model takes it too: the all-reduces sit between its ops.
-        whole_layers = cpu_kernels and self.whole_layer_kernels and T < GEMM_ROWS and self.tp is None
-        layer_weights = self.whole_layer_weights() if whole_layers else None
-        if layer_weights is not None:
-            c = self.config
-            for i, weights in enumerate(layer_weights):
-                decoder_layer_cpp(x, weights, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, cos, sin,
-                                  positions, *cache.layer(i), kv_len, c.sliding_window)
-            return self.model.norm(x, cpu_kernels)
-        step = StepInputs(positions, cos, sin, kv_len, cpu_kernels, triton, mask)
-        delta = None
-        for layer in self.model.layers:
-            x, delta = layer(x, delta, step, cache)
-        return self.model.norm.add_and_norm(x, delta, cpu_kernels, triton)[1]
+        mask = attention_mask(positions, kv_len, c.sliding_window) if backend.impl == "reference" else None
+        step = StepInputs(positions, cos, sin, kv_len, backend.impl, mask)
+        # A prefill-sized call runs op by op, its products GEMMs (see layers.linear).
+        whole_layers = self.whole_layer_weights() if backend.whole_layers and T < GEMM_ROWS else None
+        x, delta = self.embed(tokens), None
+        for i, layer in enumerate(self.model.layers):
+            if whole_layers is not None:  # one C++ call, x updated in place
+                decoder_layer(x, whole_layers[i], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, cos, sin,
+                              positions, *cache.layer(i), kv_len, c.sliding_window, check=ops.CHECK_MODEL_CALLS)
+            else:
+                x, delta = layer(x, delta, step, cache)
+        return self.model.norm.add_and_norm(x, delta, backend.impl)[1]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, T, D] in the compute dtype, a fresh tensor (indexing copies; the
@@ -337,8 +288,8 @@ class LlamaForCausalLM(KeepsParameterViews):
 
     def whole_layer_weights(self) -> list[DecoderLayerWeights] | None:
         """Each decoder layer's weights for ops.decoder_layer, or None unless every matrix is stored
-        in bfloat16. Kept between calls: replacing a layer's parameter, or moving or casting the
-        model with parameters swapped for new objects, rebuilds them."""
+        in bfloat16 (the "cpp-layers" backend's condition). Kept between calls: replacing a layer's
+        parameter, or moving or casting the model with parameters swapped for new objects, rebuilds them."""
         weights = self.parameter_views(lambda: [layer.weights() for layer in self.model.layers])
         bf16 = torch.bfloat16
         if all(w.qkv.dtype == bf16 and w.o.dtype == bf16 and w.gate_up.dtype == bf16 and w.down.dtype == bf16

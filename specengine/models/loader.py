@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..layers.parallel import TensorParallel, TensorParallelError
-from .config import T5_ARCHITECTURE, ConfigError, ModelConfig, read_config
+from .config import T5_ARCHITECTURE, CheckpointError, ConfigError, ModelConfig, read_config
 from .llama import LlamaForCausalLM
 from .t5 import T5ForConditionalGeneration
 from .t5_config import T5Config
@@ -25,10 +25,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Keys some checkpoints carry that hold nothing we need (recomputed buffers).
 # (T5's cross-attention never had a relative bias; old checkpoints saved an unused one.)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "EncDecAttention.relative_attention_bias.weight")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder is missing, incomplete or does not match its config."""
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -96,7 +92,7 @@ def load_config(folder: str | Path) -> AnyConfig:
 def empty_model(cfg: AnyConfig, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                 weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None) -> Model:
     """The model of `cfg` (this rank's share of it with tp) with uninitialised weights in the
-    dtypes load_model would give them."""
+    dtypes load_model would give them, on its default backend (models.backend)."""
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     matrix_dtype = resolve_weight_dtype(weight_dtype, torch_dtype, cfg, device)
@@ -115,6 +111,7 @@ def empty_model(cfg: AnyConfig, device: str | torch.device = "cpu", dtype: str |
         with torch.no_grad():
             model.model.embed_tokens.weight.zero_()
             model.lm_head.weight.zero_()
+    model.use_backend()  # the default for its device and dtypes, matrices included (models.backend)
     return model
 
 

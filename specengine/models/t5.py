@@ -12,10 +12,11 @@ only on the distance back, so a table over distances is built once (grown by dou
 forward gathers from it at its rows' own positions. Module names are ours; checkpoint_tensors
 maps transformers' names onto them (q/k/v and wi_0/wi_1 packed into one matrix each, as in llama.py).
 
-On a CPU in float32 the norms and attentions are C++ ops (ops.norm, ops.attention's
-relative_attention); with bfloat16-stored matrices each decoder block of a decoding step is one
-C++ call (ops.decoder_layer.t5_decoder_block). Elsewhere (CUDA, float16/bfloat16 compute) the
-torch path runs: the same arithmetic, and the oracle of the C++ ops in the tests.
+The backend (models.backend) is chosen once per model: on a CPU in float32 the norms and
+attentions are C++ ops (ops.norm, ops.attention's relative_attention: "cpp-ops"); with
+bfloat16-stored matrices each decoder block of a decoding step is one C++ call
+(ops.decoder_layer.t5_decoder_block: "cpp-layers"). Elsewhere (CUDA, float16/bfloat16 compute)
+"torch" runs: the same arithmetic, and the oracle of the C++ ops in the tests. T5 has no Triton path.
 """
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..layers.kv_cache import EncoderDecoderKVCache
 from ..layers.linear import GEMM_ROWS, Linear
 from ..layers.norm import RMSNorm
 from ..layers.tracked import KeepsParameterViews
-from ..ops.attention import biased_attention, relative_attention_cpp, relative_attention_reference, relative_bias
-from ..ops.decoder_layer import T5BlockWeights, t5_decoder_block_cpp
+from ..ops.attention import biased_attention, relative_attention, relative_bias
+from ..ops.decoder_layer import T5BlockWeights, t5_decoder_block
+from .backend import Backend, RunsOnBackend
 from .t5_config import T5Config
 
 
@@ -71,8 +74,8 @@ class FeedForward(nn.Module):
             return F.gelu(x)
         return F.silu(x)
 
-    def forward(self, x: torch.Tensor, cpu_kernels: bool) -> torch.Tensor:
-        h = self.wi(self.norm(x, cpu_kernels))
+    def forward(self, x: torch.Tensor, impl: str) -> torch.Tensor:
+        h = self.wi(self.norm(x, impl))
         if self.gated:
             gate, up = h.split(self.d_ff, dim=-1)
             h = self.act(gate) * up
@@ -90,9 +93,9 @@ class SelfAttention(nn.Module):
         self.qkv = Linear(cfg.d_model, 3 * self.inner, bias=False)
         self.o = Linear(self.inner, cfg.d_model, bias=False)
 
-    def project(self, x: torch.Tensor, cpu_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
-        q, k, v = self.qkv(self.norm(x, cpu_kernels)).view(B, T, 3, self.num_heads, self.d_kv).unbind(2)
+        q, k, v = self.qkv(self.norm(x, impl)).view(B, T, 3, self.num_heads, self.d_kv).unbind(2)
         return q, k, v
 
 
@@ -113,10 +116,10 @@ class EncoderBlock(nn.Module):
         self.attn = SelfAttention(cfg)
         self.ff = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor, cpu_kernels: bool) -> torch.Tensor:
-        q, k, v = self.attn.project(x, cpu_kernels)
-        x = x + self.attn.o(biased_attention(q, k, v, bias))
-        return self.ff(x, cpu_kernels)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, impl: str) -> torch.Tensor:
+        q, k, v = self.attn.project(x, impl)
+        x = x + self.attn.o(biased_attention(q, k, v, bias))  # (torch on every backend)
+        return self.ff(x, impl)
 
 
 class DecoderBlock(nn.Module):
@@ -129,17 +132,18 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, step: "DecoderStep", cache: EncoderDecoderKVCache) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.attn.project(x, step.cpu_kernels)
+        impl, check = step.impl, ops.CHECK_MODEL_CALLS
+        q, k, v = self.attn.project(x, impl)
         cache_k, cache_v = cache.layer(self.index)
         cross = self.cross
         cross_k, cross_v = cache.cross_layer(self.index)
-        # Either attention writes the new tokens' K/V at their positions before it reads.
-        attend = relative_attention_cpp if step.cpu_kernels else relative_attention_reference
-        x = x + self.attn.o(attend(q, k, v, step.positions, cache_k, cache_v, step.kv_len, step.self_bias))
-        q = cross.q(cross.norm(x, step.cpu_kernels)).view(B, T, cross.num_heads, cross.d_kv)
-        x = x + cross.o(attend(q, None, None, step.source_last, cross_k, cross_v, cache.source_capacity,
-                               step.cross_bias))
-        return self.ff(x, step.cpu_kernels)
+        # The self-attention writes the new tokens' K/V at their positions before it reads.
+        x = x + self.attn.o(relative_attention(q, k, v, step.positions, cache_k, cache_v, step.kv_len, step.bias_table,
+                                               impl, bias=step.self_bias, check=check))
+        q = cross.q(cross.norm(x, impl)).view(B, T, cross.num_heads, cross.d_kv)
+        x = x + cross.o(relative_attention(q, None, None, step.source_last, cross_k, cross_v, cache.source_capacity,
+                                           None, impl, bias=step.cross_bias, check=check))
+        return self.ff(x, impl)
 
 
 @dataclass
@@ -149,17 +153,18 @@ class DecoderStep:
     positions: torch.Tensor    # [B, T] int64, each new token's position
     kv_len: int                # self-attention keys a query may see (max position + 1, within capacity)
     source_last: torch.Tensor  # [B, T] int64, each row's last encoder token (the cross-attention's "position")
-    cpu_kernels: bool          # the C++ ops (float32 on a CPU), else the torch path
-    # The attentions' bias arguments. C++: the decoder's table [n > max position, H] of the bias
-    # of a key d positions back, and None. Torch: the additive biases from ops.attention's
-    # relative_bias, [B, H, T, kv_len] and [B, 1, T, source capacity].
-    self_bias: torch.Tensor
-    cross_bias: torch.Tensor | None
+    impl: str                  # the ops' implementation: "cpp" or "reference" (models.backend)
+    bias_table: torch.Tensor   # [n > max position, H]: the decoder's bias of a key d positions back
+    # The reference attentions' additive biases from ops.attention's relative_bias, built once per
+    # forward: [B, H, T, kv_len] and [B, 1, T, source capacity] (None for "cpp", which reads the table).
+    self_bias: torch.Tensor | None = None
+    cross_bias: torch.Tensor | None = None
 
 
-class T5ForConditionalGeneration(KeepsParameterViews):
+class T5ForConditionalGeneration(RunsOnBackend, KeepsParameterViews):
     is_encoder_decoder = True
     tp = None  # never split (layers.parallel covers the decoder-only models)
+    SUPPORTED_BACKENDS = ("cpp-layers", "cpp-ops", "torch")
 
     def __init__(self, cfg: T5Config):
         super().__init__()
@@ -177,11 +182,9 @@ class T5ForConditionalGeneration(KeepsParameterViews):
         # Its own weight until a checkpoint without lm_head.weight ties it (finish_load).
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._distance_bias: tuple[tuple, torch.Tensor] | None = None  # see decoder_distance_bias
-        # The C++ ops for float32 on a CPU (as LlamaForCausalLM.cpu_kernels): RMSNorm and the
-        # attentions, or with bfloat16-stored matrices each decoder block in one call
-        # (whole_block_kernels). Tests switch them off to compare with the torch path.
-        self.cpu_kernels = True
-        self.whole_block_kernels = True
+        # Which ops run (C++ whole blocks, C++ ops, torch): see models.backend. The loader
+        # chooses again once the matrices have their storage dtype.
+        self.use_backend()
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -272,6 +275,9 @@ class T5ForConditionalGeneration(KeepsParameterViews):
 
     def encoder_hidden(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The encoder's output [B, S, D] for right-padded tokens [B, S] of these lengths [B]."""
+        return self.run_on_backend(self._encoder_hidden, tokens, lengths)
+
+    def _encoder_hidden(self, tokens: torch.Tensor, lengths: torch.Tensor, backend: Backend) -> torch.Tensor:
         S, c = tokens.shape[1], self.config
         offsets = torch.arange(S, device=tokens.device)
         buckets = relative_position_bucket(offsets[None, :] - offsets[:, None], True,
@@ -280,10 +286,9 @@ class T5ForConditionalGeneration(KeepsParameterViews):
         padding = offsets[None, :] >= lengths[:, None]  # [B, S] keys past each row's input
         bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))  # [B, H, S, S]
         x = self.shared.weight[tokens].to(self.dtype)
-        cpu_kernels = self.cpu_kernels_apply(x)
         for block in self.encoder:
-            x = block(x, bias, cpu_kernels)
-        return self.encoder_norm(x, cpu_kernels)
+            x = block(x, bias, backend.impl)
+        return self.encoder_norm(x, backend.impl)
 
     # ---- the decoder ------------------------------------------------------------------------
 
@@ -292,36 +297,37 @@ class T5ForConditionalGeneration(KeepsParameterViews):
         """Decoder hidden states [B, T, D] after the final norm. tokens [B, T] int64 at per-row start
         positions start_pos [B] int64 (normally the cache lengths); kv_len, if given, is
         max(start_pos) + T (known on the host: passing it avoids a device sync)."""
-        B, T = tokens.shape
-        positions = start_pos[:, None] + torch.arange(T, device=tokens.device)  # [B, T]
+        positions = start_pos[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
         if kv_len is None:
             kv_len = int(positions.max()) + 1
         kv_len = min(kv_len, cache.capacity)
-        x = self.shared.weight[tokens].to(self.dtype)
-        cpu_kernels = self.cpu_kernels_apply(x)
+        return self.run_on_backend(self._forward, tokens, positions, cache, kv_len)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: EncoderDecoderKVCache, kv_len: int,
+                 backend: Backend) -> torch.Tensor:
+        (B, T), c = tokens.shape, self.config
         table = self.decoder_distance_bias(cache.capacity + T)
         source_last = (cache.source_lengths - 1)[:, None].expand(B, T).contiguous()
-        blocks = self.whole_block_weights() if cpu_kernels and self.whole_block_kernels and T < GEMM_ROWS else None
-        if blocks is not None:  # (a prefill-sized call takes the per-op path, whose products become GEMMs)
-            c = self.config
-            for i, weights in enumerate(blocks):
-                cross_k, cross_v = cache.cross_layer(i)
-                t5_decoder_block_cpp(x, weights, c.num_heads, c.d_kv, c.activation, c.gated, c.layer_norm_epsilon,
-                                     positions, *cache.layer(i), kv_len, table, source_last, cross_k, cross_v)
-            return self.decoder_norm(x, cpu_kernels)
-        if cpu_kernels:
-            step = DecoderStep(positions, kv_len, source_last, True, table, None)
-        else:
-            step = DecoderStep(positions, kv_len, source_last, False,
-                               relative_bias(positions, kv_len, table, self.dtype),
-                               relative_bias(source_last, cache.source_capacity, None, self.dtype))
-        for block in self.decoder:
-            x = block(x, step, cache)
-        return self.decoder_norm(x, cpu_kernels)
+        step = DecoderStep(positions, kv_len, source_last, backend.impl, table)
+        if backend.impl == "reference":
+            step.self_bias = relative_bias(positions, kv_len, table, self.dtype)
+            step.cross_bias = relative_bias(source_last, cache.source_capacity, None, self.dtype)
+        # A prefill-sized call runs op by op, its products GEMMs (see layers.linear).
+        whole_blocks = self.whole_layer_weights() if backend.whole_layers and T < GEMM_ROWS else None
+        x = self.shared.weight[tokens].to(self.dtype)
+        for i, block in enumerate(self.decoder):
+            if whole_blocks is not None:  # one C++ call, x updated in place
+                t5_decoder_block(x, whole_blocks[i], c.num_heads, c.d_kv, c.activation, c.gated, c.layer_norm_epsilon,
+                                 positions, *cache.layer(i), kv_len, table, source_last, *cache.cross_layer(i),
+                                 check=ops.CHECK_MODEL_CALLS)
+            else:
+                x = block(x, step, cache)
+        return self.decoder_norm(x, backend.impl)
 
-    def whole_block_weights(self) -> list[T5BlockWeights] | None:
+    def whole_layer_weights(self) -> list[T5BlockWeights] | None:
         """Each decoder block's weights for ops.decoder_layer.t5_decoder_block, or None unless every
-        matrix is stored in bfloat16. Kept between calls (rebuilt when a parameter is replaced)."""
+        matrix is stored in bfloat16 (the "cpp-layers" backend's condition). Kept between calls
+        (rebuilt when a parameter is replaced)."""
         weights = self.parameter_views(lambda: [
             T5BlockWeights(b.attn.norm.weight, b.attn.qkv.weight, b.attn.o.weight, b.cross.norm.weight,
                            b.cross.q.weight, b.cross.o.weight, b.ff.norm.weight, b.ff.wi.weight, b.ff.wo.weight)
@@ -329,10 +335,6 @@ class T5ForConditionalGeneration(KeepsParameterViews):
         if all(t.dtype == torch.bfloat16 for w in weights for t in (w.qkv, w.self_o, w.cross_q, w.cross_o, w.wi, w.wo)):
             return weights
         return None
-
-    def cpu_kernels_apply(self, x: torch.Tensor) -> bool:
-        """Whether this forward takes the C++ RMSNorm (float32 on a CPU, no autograd)."""
-        return self.cpu_kernels and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
 
     def decoder_distance_bias(self, limit: int) -> torch.Tensor:
         """[n >= limit, H]: the decoder's bias for a key `d` positions before its query. Rebuilt

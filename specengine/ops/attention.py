@@ -12,8 +12,8 @@ past the row's length and no query sees them until they are overwritten.
                attention and its merge (three launches; the model's path on CUDA)
   "reference"  torch ops and scaled_dot_product_attention (the oracle; every other device/dtype)
 
-Qwen3's per-head q/k norms go before the rotary embedding; the Triton path applies them inside
-its rotary launch (q_norm, k_norm), the others leave them to the caller.
+Qwen3's per-head q/k norms (q_norm, k_norm) go before the rotary embedding: the Triton path
+applies them inside its rotary launch, the others with ops.norm's op of the same impl first.
 
 T5 (relative_attention) has no rotary embedding and no scale: a learned bias by the key's distance
 back is added to each score instead, and its cross-attention reads the encoder's cached keys up to
@@ -26,6 +26,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .norm import rms_norm
 
 IMPLEMENTATIONS = ("cpp", "triton", "reference")
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -68,13 +70,35 @@ def cached_attention(
     kv_len: int,              # keys that may be visible: max(positions) + 1, clipped to capacity
     sliding_window: int | None = None,
     impl: str = "reference",
+    *,
+    q_norm: torch.Tensor | None = None,  # [D]: Qwen3's per-head RMSNorm of q and k before the rotary
+    k_norm: torch.Tensor | None = None,  # [D]
+    norm_eps: float = 1e-6,
+    mask: torch.Tensor | None = None,    # "reference": attention_mask(positions, kv_len, sliding_window), if built
+    check: bool = True,
 ) -> torch.Tensor:
     """Attention output [B, T, H * D]. Positions at or past capacity (padding) write to the spill
-    slot `capacity`, which no query reads."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"cached_attention: impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    slot `capacity`, which no query reads. Without check (the models' calls), q, k and v must
+    have a token_stride and cos, sin and positions be contiguous; "triton" needs one dtype."""
+    if check:
+        q, k, v, cos, sin, positions = _checked_attention(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len,
+                                                          sliding_window, impl, q_norm, k_norm)
+    if impl == "triton":  # the q/k norms inside the rotary launch
+        return cached_attention_triton(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len, sliding_window,
+                                       q_norm, k_norm, norm_eps)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, norm_eps, impl, check=False), rms_norm(k, k_norm, norm_eps, impl, check=False)
+    if impl == "cpp":
+        return cached_attention_cpp(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len, sliding_window)
+    if mask is None:
+        mask = attention_mask(positions, kv_len, sliding_window)
+    return cached_attention_reference(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len, mask)
 
+
+def _checked_attention(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len, sliding_window, impl, q_norm, k_norm):
+    """cached_attention's arguments checked and in the layout impl needs: (q, k, v, cos, sin, positions)."""
     check = _checker("cached_attention")
+    check(impl in IMPLEMENTATIONS, f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
     check(q.dim() == 4, f"q must be [B, T, H, D], got {tuple(q.shape)}")
     B, T, H, D = q.shape
     check(k.dim() == 4 and k.shape[:2] == (B, T) and k.shape[3] == D, f"k must be [{B}, {T}, Hkv, {D}], got "
@@ -94,25 +118,24 @@ def cached_attention(
     check(1 <= kv_len <= capacity, f"kv_len must be in [1, capacity={capacity}], got {kv_len}")
     check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
     check(B == 0 or int(positions.min()) >= 0, "positions must be >= 0")
+    check((q_norm is None) == (k_norm is None), "q_norm and k_norm come together")
+    check(q_norm is None or (tuple(q_norm.shape) == (D,) and tuple(k_norm.shape) == (D,)),
+          f"q_norm and k_norm must be [{D}]")
+    if impl == "reference":
+        return q, k, v, cos, sin, positions
     if impl == "triton":
-        check(cache_k.is_contiguous() and cache_v.is_contiguous(), "cache_k and cache_v must be contiguous")
         check(all(t.dtype == cache_k.dtype for t in (q, k, v, cos, sin, cache_v)),
               "impl 'triton' needs q, k, v, cos, sin and the cache in one dtype")
-        q, k, v = (t if token_stride(t) is not None else t.contiguous() for t in (q, k, v))
-        return cached_attention_triton(q, k, v, cos.contiguous(), sin.contiguous(), positions.contiguous(), cache_k,
-                                       cache_v, kv_len, sliding_window)
-    if impl == "reference":
-        return cached_attention_reference(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len,
-                                          attention_mask(positions, kv_len, sliding_window))
-    tensors = dict(q=q, k=k, v=v, cos=cos, sin=sin, cache_k=cache_k, cache_v=cache_v)
-    for name, t in tensors.items():
-        check(t.dtype == torch.float32 and t.device.type == "cpu",
-              f"impl 'cpp' needs float32 CPU tensors, got {name} {t.dtype} on {t.device}")
+    else:
+        tensors = dict(q=q, k=k, v=v, cos=cos, sin=sin, cache_k=cache_k, cache_v=cache_v, q_norm=q_norm, k_norm=k_norm)
+        for name, t in tensors.items():
+            if t is not None:
+                check(t.dtype == torch.float32 and t.device.type == "cpu",
+                      f"impl 'cpp' needs float32 CPU tensors, got {name} {t.dtype} on {t.device}")
+        check(positions.device.type == "cpu", "positions must be a CPU tensor")
     check(cache_k.is_contiguous() and cache_v.is_contiguous(), "cache_k and cache_v must be contiguous")
-    check(positions.device.type == "cpu", "positions must be a CPU tensor")
     q, k, v = (t if token_stride(t) is not None else t.contiguous() for t in (q, k, v))
-    return cached_attention_cpp(q, k, v, cos.contiguous(), sin.contiguous(), positions.contiguous(), cache_k,
-                                cache_v, kv_len, sliding_window)
+    return q, k, v, cos.contiguous(), sin.contiguous(), positions.contiguous()
 
 
 def cached_attention_reference(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len: int,
@@ -186,15 +209,30 @@ def relative_attention(
     kv_len: int,                      # keys that may be visible (<= slots; with k, <= capacity = slots - 1)
     bias_table: torch.Tensor | None,  # [n > max(positions), H]: the bias of a key d positions back (None: none)
     impl: str = "reference",
+    *,
+    bias: torch.Tensor | None = None,  # "reference": relative_bias(positions, kv_len, bias_table, q.dtype), if built
+    check: bool = True,
 ) -> torch.Tensor:
     """T5 attention output [B, T, H * D]: softmax(q . k_j + bias_table[p - j]) over keys j <= p,
     j < kv_len (scores unscaled: T5 folds the scale into its weights). With k and v, the new
     tokens' keys and values are first written at their positions (positions at or past the
-    capacity go to the spill slot), so a query also sees its own call's keys."""
-    if impl not in ("cpp", "reference"):
-        raise ValueError(f"relative_attention: impl must be 'cpp' or 'reference', got {impl!r}")
+    capacity go to the spill slot), so a query also sees its own call's keys. Implementations:
+    "cpp" or "reference" (check=False: the models' calls, with q (k, v) of a token_stride and
+    the rest contiguous)."""
+    if check:
+        q, k, v, positions, bias_table = _checked_relative_attention(q, k, v, positions, cache_k, cache_v, kv_len,
+                                                                     bias_table, impl)
+    if impl == "cpp":
+        return relative_attention_cpp(q, k, v, positions, cache_k, cache_v, kv_len, bias_table)
+    if bias is None:
+        bias = relative_bias(positions, kv_len, bias_table, q.dtype)
+    return relative_attention_reference(q, k, v, positions, cache_k, cache_v, kv_len, bias)
 
+
+def _checked_relative_attention(q, k, v, positions, cache_k, cache_v, kv_len, bias_table, impl):
+    """relative_attention's arguments checked and in the layout impl needs: (q, k, v, positions, bias_table)."""
     check = _checker("relative_attention")
+    check(impl in ("cpp", "reference"), f"impl must be 'cpp' or 'reference', got {impl!r}")
     check(q.dim() == 4, f"q must be [B, T, H, D], got {tuple(q.shape)}")
     B, T, H, D = q.shape
     check((k is None) == (v is None), "give both k and v, or neither")
@@ -214,8 +252,7 @@ def relative_attention(
                                      and bias_table.shape[0] > int(positions.max())),
               f"bias_table must be [> max(positions), {H}], got {None if bias_table is None else tuple(bias_table.shape)}")
     if impl == "reference":
-        bias = relative_bias(positions, kv_len, bias_table, q.dtype)
-        return relative_attention_reference(q, k, v, positions, cache_k, cache_v, kv_len, bias)
+        return q, k, v, positions, bias_table
     tensors = dict(q=q, k=k, v=v, cache_k=cache_k, cache_v=cache_v, bias_table=bias_table)
     for name, t in tensors.items():
         if t is not None:
@@ -223,8 +260,7 @@ def relative_attention(
                   f"impl 'cpp' needs float32 CPU tensors, got {name} {t.dtype} on {t.device}")
     check(cache_k.is_contiguous() and cache_v.is_contiguous(), "cache_k and cache_v must be contiguous")
     q, k, v = (t if t is None or token_stride(t) is not None else t.contiguous() for t in (q, k, v))
-    return relative_attention_cpp(q, k, v, positions.contiguous(), cache_k, cache_v, kv_len,
-                                  None if bias_table is None else bias_table.contiguous())
+    return q, k, v, positions.contiguous(), None if bias_table is None else bias_table.contiguous()
 
 
 def relative_bias(positions: torch.Tensor, kv_len: int, bias_table: torch.Tensor | None,

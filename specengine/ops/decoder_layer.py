@@ -53,8 +53,20 @@ def decoder_layer(
     cache_v: torch.Tensor,    # [B_alloc, capacity + 1, Hkv, D] (written)
     kv_len: int,              # keys that may be visible: max(positions) + 1, clipped to capacity
     sliding_window: int | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
-    """Validate, then run the layer in place on x; returns x."""
+    """Run the layer in place on x; returns x. Checks its arguments first, unless check is False
+    (the model's calls: the loader checked the weights, the model built the rest contiguous)."""
+    if check:
+        cos, sin, positions = _checked_layer(x, weights, num_heads, num_kv_heads, head_dim, eps, cos, sin, positions,
+                                             cache_k, cache_v, kv_len, sliding_window)
+    return decoder_layer_cpp(x, weights, num_heads, num_kv_heads, head_dim, eps, cos, sin, positions, cache_k, cache_v,
+                             kv_len, sliding_window)
+
+
+def _checked_layer(x, weights, num_heads, num_kv_heads, head_dim, eps, cos, sin, positions, cache_k, cache_v, kv_len,
+                   sliding_window):
+    """decoder_layer's arguments checked: (cos, sin, positions) contiguous."""
     _check(x.dim() == 3 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous(),
            f"x must be a contiguous float32 CPU tensor [B, T, hidden], got {tuple(x.shape)} {x.dtype} on {x.device}")
     B, T, hidden = x.shape
@@ -95,14 +107,12 @@ def decoder_layer(
     capacity = cache_k.shape[1] - 1
     _check(1 <= kv_len <= capacity, f"kv_len must be in [1, capacity={capacity}], got {kv_len}")
     _check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1, got {sliding_window}")
-    return decoder_layer_cpp(x, weights, H, Hkv, D, eps, cos.contiguous(), sin.contiguous(), positions.contiguous(),
-                             cache_k, cache_v, kv_len, sliding_window)
+    return cos.contiguous(), sin.contiguous(), positions.contiguous()
 
 
 def decoder_layer_cpp(x, weights: DecoderLayerWeights, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                       cos, sin, positions, cache_k, cache_v, kv_len: int, sliding_window: int | None) -> torch.Tensor:
-    """The C++ op without argument checks, for the model's layers (whose weights the loader
-    checked): the same contract as decoder_layer."""
+    """The C++ op: decoder_layer after its checks."""
     from .. import _C
 
     def address(t: torch.Tensor | None) -> int:
@@ -151,8 +161,20 @@ def t5_decoder_block(
     source_last: torch.Tensor,   # [B, T] int64, each row's last encoder token
     cross_k: torch.Tensor,       # [B_alloc, source capacity, H, D] float32, this layer's encoder keys
     cross_v: torch.Tensor,       # [B_alloc, source capacity, H, D]
+    check: bool = True,
 ) -> torch.Tensor:
-    """Validate, then run the block in place on x; returns x."""
+    """Run the block in place on x; returns x. Checks its arguments first, unless check is False
+    (the model's calls, as decoder_layer's)."""
+    if check:
+        positions, source_last = _checked_block(x, weights, num_heads, head_dim, activation, gated, positions, cache_k,
+                                                cache_v, kv_len, bias_table, source_last, cross_k, cross_v)
+    return t5_decoder_block_cpp(x, weights, num_heads, head_dim, activation, gated, eps, positions, cache_k, cache_v,
+                                kv_len, bias_table, source_last, cross_k, cross_v)
+
+
+def _checked_block(x, weights, num_heads, head_dim, activation, gated, positions, cache_k, cache_v, kv_len, bias_table,
+                   source_last, cross_k, cross_v):
+    """t5_decoder_block's arguments checked: (positions, source_last) contiguous."""
     _check(x.dim() == 3 and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous(),
            f"x must be a contiguous float32 CPU tensor [B, T, hidden], got {tuple(x.shape)} {x.dtype} on {x.device}")
     B, T, hidden = x.shape
@@ -191,14 +213,13 @@ def t5_decoder_block(
                f"source_last must be in [0, {cross_k.shape[1]})")
     _check(bias_table.dim() == 2 and bias_table.shape[1] == H and bias_table.dtype == torch.float32
            and bias_table.is_contiguous(), f"bias_table must be contiguous float32 [n, {H}]")
-    return t5_decoder_block_cpp(x, weights, H, D, activation, gated, eps, positions.contiguous(), cache_k, cache_v,
-                                kv_len, bias_table, source_last.contiguous(), cross_k, cross_v)
+    return positions.contiguous(), source_last.contiguous()
 
 
 def t5_decoder_block_cpp(x, weights: T5BlockWeights, num_heads: int, head_dim: int, activation: str, gated: bool,
                          eps: float, positions, cache_k, cache_v, kv_len: int, bias_table, source_last, cross_k,
                          cross_v) -> torch.Tensor:
-    """The C++ op without argument checks, for the model's blocks: the same contract as t5_decoder_block."""
+    """The C++ op: t5_decoder_block after its checks."""
     from .. import _C
 
     B, T, hidden = x.shape

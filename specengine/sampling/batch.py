@@ -63,3 +63,16 @@ def check_logits(name: str, logits: torch.Tensor):
         raise InvalidLogitsError(f"{name} logits contain +inf")
     if logits.numel() and not torch.isfinite(logits).any(-1).all():
         raise InvalidLogitsError(f"{name} logits are -inf for every token of some row")
+
+
+def row_problems(name: str, logits: torch.Tensor) -> dict[int, str]:
+    """Logits [B, ..., V] that failed logits_valid: what check_logits says of each broken row, by
+    row (the others are fine: a row's logits never depend on another's)."""
+    broken = ~torch.isfinite(logits.amax(-1).reshape(logits.shape[0], -1)).all(-1)
+    problems = {}
+    for row in broken.nonzero().flatten().tolist():
+        try:
+            check_logits(name, logits[row])
+        except InvalidLogitsError as exc:
+            problems[row] = str(exc)
+    return problems

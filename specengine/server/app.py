@@ -5,33 +5,43 @@
   GET  /v1/models, /health
 
 Every request is its own engine request, joining the running batch at the next round. A bad
-request gets HTTP 400 with an OpenAI error body naming the parameter; a client that disconnects
-(streaming or not) aborts its requests.
+request gets HTTP 400 with an OpenAI error body naming the parameter (a body that is not JSON
+names none); a client that disconnects (streaming or not) aborts its requests, and only its own.
+At SIGTERM or Ctrl-C, Server (what `specengine serve` runs) stops accepting, lets open requests
+run for a grace period, then ends the rest with finish_reason "abort".
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.request import RequestOutput
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest
 
-# The engine's reasons, as OpenAI's: a full context is a length limit too.
-FINISH_REASONS = {"stop": "stop", "length": "length", "capacity": "length"}
+# The engine's reasons, as OpenAI's: a full context is a length limit too. "abort" (vLLM's) is
+# sent only when the server ends a request itself, at shutdown; any other abort is an error.
+FINISH_REASONS = {"stop": "stop", "length": "length", "capacity": "length", "abort": "abort"}
+# How long past the grace period a shutdown waits for responses to end before cancelling them:
+# aborted requests end at the next step, but a client that stops reading could hold its own up.
+SHUTDOWN_BACKSTOP_S = 5.0
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 def _sse(payload: dict | str) -> str:
@@ -39,7 +49,8 @@ def _sse(payload: dict | str) -> str:
 
 
 class _Choices:
-    """The requests of one HTTP request (one per prompt), their outputs merged in arrival order."""
+    """The requests of one HTTP request (one per prompt), their outputs merged in arrival order.
+    It reads and ends only these requests: no other client's."""
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str]):
         self.engine, self.request_ids = engine, request_ids
@@ -63,16 +74,84 @@ class _Choices:
                     remaining -= 1
                     self.prompt_tokens += item.stats.prompt_tokens
                     self.completion_tokens += item.stats.generated_tokens
-                    if item.finish_reason == "abort":  # only a failed step aborts a live request
+                    # A live request is aborted by a failed step (an error), or by the server
+                    # shutting down (an end: the client gets what was generated, and "abort").
+                    if item.finish_reason == "abort" and self.engine.stopping is None:
                         raise RuntimeError(item.message or "the request was aborted")
                 yield index, item
         finally:
             for task in tasks:  # cancelling a pump closes its outputs(): an unfinished request is aborted
                 task.cancel()
 
+    def close(self):
+        """Abort whichever of these requests is unfinished once the response ends. merged()
+        does so too, but only once started: a client gone before its response began would
+        otherwise leave its requests running, unread."""
+        for request_id in self.request_ids:
+            self.engine.discard(request_id)
+
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class _Stream(StreamingResponse):
+    """Server-sent events whose requests are given up however the response ends (its body may
+    never be iterated: a disconnect cancels it before the first chunk)."""
+
+    def __init__(self, events: AsyncIterator[str], choices: _Choices):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.choices = choices
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.choices.close()
+
+
+def _json_error_message(error: dict, body) -> str:
+    """FastAPI's report of a body json.loads refused (its position as a character offset), in
+    json's own words: "Expecting value: line 1 column 29 (char 28)"."""
+    pos = error.get("loc", (None, None))[-1]
+    reason = (error.get("ctx") or {}).get("error", "invalid JSON")
+    if isinstance(body, str) and isinstance(pos, int):
+        reason = str(json.JSONDecodeError(reason, body, pos))
+    elif isinstance(pos, int):
+        reason = f"{reason} (char {pos})"
+    return f"the request body is not valid JSON: {reason}"
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) is bounded: it stops accepting, lets
+    open requests run for `grace` seconds, then aborts those left. Their streams end with
+    finish_reason "abort" (and [DONE]), non-streamed answers likewise, and the server exits;
+    responses still open SHUTDOWN_BACKSTOP_S later are cancelled. on_started() runs once it listens."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float, on_started=None):
+        config.timeout_graceful_shutdown = grace + SHUTDOWN_BACKSTOP_S
+        super().__init__(config)
+        self.engine, self.grace, self.on_started = engine, grace, on_started
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
+
+    async def shutdown(self, sockets=None):
+        ending = asyncio.create_task(self._end_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    async def _end_after_grace(self):
+        await asyncio.sleep(self.grace)
+        ended = self.engine.abort_all(f"the server is shutting down (its {self.grace:g} s grace period ran out)")
+        if ended:
+            logging.getLogger("specengine").warning(
+                "shutting down: %d request(s) still open after %g s were ended (finish_reason \"abort\")",
+                ended, self.grace)
 
 
 def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
@@ -89,6 +168,8 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is ("body", a character offset), no parameter
+            return _error(400, _json_error_message(first, exc.body))
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(loc) or None
         if first.get("type") == "extra_forbidden":
@@ -98,6 +179,12 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     @app.exception_handler(BadRequest)
     async def bad_request(_, exc: BadRequest):
         return _error(400, str(exc), exc.param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        # An unknown path, a wrong method, a body that is not UTF-8: the OpenAI error shape too.
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, str(exc.detail), kind=kind, headers=getattr(exc, "headers", None))
 
     @app.get("/health")
     async def health():
@@ -130,20 +217,23 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def respond(request: Request, collect) -> JSONResponse | None:
+    async def respond(request: Request, choices: _Choices, collect) -> JSONResponse | None:
         """Run collect() unless the client goes away first (then its requests are aborted)."""
-        work, gone = asyncio.create_task(collect()), asyncio.create_task(until_disconnect(request))
-        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if work not in done:
-            work.cancel()
-            return None
         try:
-            return JSONResponse(work.result())
-        except RuntimeError as exc:
-            return _error(500, str(exc), kind="server_error")
+            work, gone = asyncio.create_task(collect()), asyncio.create_task(until_disconnect(request))
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if work not in done:
+                work.cancel()
+                return None
+            try:
+                return JSONResponse(work.result())
+            except RuntimeError as exc:
+                return _error(500, str(exc), kind="server_error")
+        finally:
+            choices.close()
 
-    def streamed(events: AsyncIterator[str]) -> StreamingResponse:
+    def streamed(events: AsyncIterator[str], choices: _Choices) -> StreamingResponse:
         async def with_errors():
             try:
                 async for event in events:
@@ -151,8 +241,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             except RuntimeError as exc:
                 yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
             yield _sse("[DONE]")
-        return StreamingResponse(with_errors(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _Stream(with_errors(), choices)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -171,7 +260,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                                                          "finish_reason": FINISH_REASONS.get(out.finish_reason)}]})
                 if body.include_usage:
                     yield _sse({**head, "choices": [], "usage": choices.usage()})
-            return streamed(events())
+            return streamed(events(), choices)
 
         async def collect():
             texts, reasons = [""] * len(prompts), [None] * len(prompts)
@@ -180,7 +269,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                 reasons[index] = FINISH_REASONS.get(out.finish_reason)
             return {**head, "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
                                         for i, (t, r) in enumerate(zip(texts, reasons))], "usage": choices.usage()}
-        return await respond(request, collect)
+        return await respond(request, choices, collect)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -208,7 +297,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                                                          "finish_reason": FINISH_REASONS.get(out.finish_reason)}]})
                 if body.include_usage:
                     yield _sse({**head, "choices": [], "usage": choices.usage()})
-            return streamed(events())
+            return streamed(events(), choices)
 
         async def collect():
             text, reason = "", None
@@ -218,6 +307,6 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             return {**head, "object": "chat.completion",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                                  "finish_reason": reason}], "usage": choices.usage()}
-        return await respond(request, collect)
+        return await respond(request, choices, collect)
 
     return app

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine.gamma import CostModel, GammaController
-from .sampling.warp import warp_probs
+from ..engine.gamma import CostModel, GammaController
+from ..sampling.warp import warp_probs
 
 
 @torch.inference_mode()

@@ -2,7 +2,8 @@
 from the device. On a GPU each dispatched op is a launch (or at least a dispatch) the round pays
 on top of its replays, and each read is a synchronisation; on a CPU the fixed-shape path runs the
 same host code with the graphs' bodies eager, so the counts are the same. bench/bench_host.py
-reports them; a test holds them under a bound.
+reports them; tests/test_host_ops.py holds them under a bound. Development code: the runtime
+never imports it (it patches the engine's methods for the length of a count).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .graphs import GraphedCalls
+from ..steps.graphs import CapturedCalls
 
 # Ops whose result the host reads: int(t), float(t), bool(t), t.item() (t.tolist() is counted
 # apart: on a CPU tensor it reads without dispatching).
@@ -19,54 +20,68 @@ _READ_OPS = {torch.ops.aten._local_scalar_dense.default}
 
 
 class HostOps(TorchDispatchMode):
-    """Counts, while `counting`, the ops dispatched outside GraphedCalls.run and the reads."""
+    """Counts, while `counting`, the ops dispatched outside CapturedCalls.run and the reads."""
 
     def __init__(self):
         super().__init__()
         self.counting = False
         self.ops = 0
         self.reads = 0
+        self.graphed = 0  # CapturedCalls.run calls in progress: what they dispatch, a GPU replays
+
+    def _counts(self) -> bool:
+        return self.counting and self.graphed == 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.counting and GraphedCalls.running == 0:
+        if self._counts():
             self.ops += 1
             self.reads += func in _READ_OPS
         return func(*args, **(kwargs or {}))
 
     @contextmanager
     def count(self):
-        """Count inside this block (and count each tensor.tolist() there as a read)."""
-        tolist = torch.Tensor.tolist
+        """Count inside this block (and count each tensor.tolist() there as a read). CapturedCalls.run
+        is wrapped meanwhile, so that what runs inside it (a graph's body) is left out."""
+        tolist, graphed_run = torch.Tensor.tolist, CapturedCalls.run
         mode = self
 
         def counted_tolist(t):
-            if mode.counting and GraphedCalls.running == 0:
+            if mode._counts():
                 mode.reads += 1
             return tolist(t)
 
+        def uncounted_run(calls, *args, **kwargs):
+            mode.graphed += 1
+            try:
+                return graphed_run(calls, *args, **kwargs)
+            finally:
+                mode.graphed -= 1
+
         torch.Tensor.tolist = counted_tolist
+        CapturedCalls.run = uncounted_run
         self.counting = True
         try:
             yield self
         finally:
             self.counting = False
             torch.Tensor.tolist = tolist
+            CapturedCalls.run = graphed_run
 
 
 def per_round(engine, prompts, params) -> dict[str, float]:
     """Host ops and reads per round of engine.generate(prompts, params), its prefill left out
-    (only the rounds' own work, Engine._decode_round, is counted); and of the rounds run in blocks
+    (only the rounds' own work, Engine._run_round, is counted); and of the rounds run in blocks
     from device state (engine.device_rounds.run_block), their ops per round and reads per block,
     the block's setup and its one read included."""
-    from . import engine as engine_module
+    from ..engine import rounds as rounds_module
 
     counter = HostOps()
-    decode_round, run_block = engine._decode_round, engine_module.run_block
+    run_round, run_block = engine._run_round, rounds_module.run_block
     blocks = dict(blocks=0, rounds=0, ops=0, reads=0)
 
     def counted(joined):
         with counter.count():
-            return decode_round(joined)
+            return run_round(joined)
 
     def counted_block(*args, **kwargs):
         ops, reads = counter.ops, counter.reads
@@ -78,14 +93,14 @@ def per_round(engine, prompts, params) -> dict[str, float]:
             blocks["ops"] += counter.ops - ops
             blocks["reads"] += counter.reads - reads
 
-    engine._decode_round = counted
-    engine_module.run_block = counted_block
+    engine._run_round = counted
+    rounds_module.run_block = counted_block
     try:
         with counter:
             engine.generate(prompts, params)
     finally:
-        del engine._decode_round
-        engine_module.run_block = run_block
+        del engine._run_round
+        rounds_module.run_block = run_block
     rounds = engine.last_run_rounds
     result = dict(rounds=rounds, ops_per_round=counter.ops / rounds, reads_per_round=counter.reads / rounds)
     if blocks["blocks"]:

@@ -10,7 +10,7 @@ shapes and addresses, so a step runs on static buffers:
   - the cache is one preallocated StaticKVCache that every run reuses.
 Each (bucket, tokens per row) is captured on first use, after two warm-up runs on a side
 stream (lazy initialisation, Triton compilation and allocations stay outside the graph).
-GraphedCalls is the general form: any function of static buffers, captured per key (the
+CapturedCalls is the general form: any function of static buffers, captured per key (the
 drafter captures its whole draft phase this way).
 
 On a CPU, or when capture fails (the reason goes to the log), the same static-shape path runs
@@ -46,26 +46,24 @@ class _Entry:
     graph: "torch.cuda.CUDAGraph | None" = None
 
 
-class GraphedCalls:
+class CapturedCalls:
     """Functions of static input buffers, each captured as a CUDA graph on its first run (per key)
     and replayed after. A key fixes the buffers' shapes; the caller fills them in place, then runs.
 
-    The graphs of one GraphedCalls share a memory pool of their own (runs never overlap), apart
+    The graphs of one CapturedCalls share a memory pool of their own (runs never overlap), apart
     from every other model's. Each replay returns copies of the static outputs, so a later replay
     cannot overwrite what a caller kept. With use_graphs off, or after a capture failed (the reason
     is logged and kept in fallback_reason), the functions run eagerly on the same buffers.
     """
-
-    # Runs in progress, in any instance: what the host dispatches meanwhile is what a replay
-    # launches on a GPU (engine.host_ops leaves it out of the host's count).
-    running = 0
 
     def __init__(self, use_graphs: bool):
         self.use_graphs = use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.fallback_reason: str | None = None
         self.entries: dict[object, _Entry] = {}
-        self.replays = 0  # runs served by a graph (tests and benchmarks read it)
+        # Runs served by a replayed graph: part of what a CapturedCalls reports, as fallback_reason
+        # is, so that a caller (a test, a benchmark) can tell its graphs really ran.
+        self.replays = 0
 
     def buffers(self, key, make: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """key's static input buffers, made by make() on first use."""
@@ -91,15 +89,11 @@ class GraphedCalls:
                 log.warning("CUDA graph capture failed (%s); running eagerly: %s", key, self.fallback_reason)
                 for other in self.entries.values():
                     other.graph = other.outputs = None
-        GraphedCalls.running += 1
-        try:
-            if entry.graph is None:
-                return fn(**entry.buffers)
-            entry.graph.replay()
-            self.replays += 1
-            return tuple(t.clone() for t in entry.outputs)
-        finally:
-            GraphedCalls.running -= 1
+        if entry.graph is None:
+            return fn(**entry.buffers)
+        entry.graph.replay()
+        self.replays += 1
+        return tuple(t.clone() for t in entry.outputs)
 
     def _capture(self, fn, buffers, state):
         # Two warm-up runs on a side stream keep lazy initialisation, Triton compilation and
@@ -121,7 +115,7 @@ class GraphedCalls:
         return outputs, graph
 
 
-class StepGraphs:
+class FixedShapeSteps:
     """A model's persistent cache (max_batch_size rows of `capacity` tokens, reused by every run)
     and its fixed-shape steps: logits [B, T, V] of tokens [B, T] at per-row start positions.
 
@@ -137,7 +131,7 @@ class StepGraphs:
             raise ValueError("CUDA graphs need the model on a CUDA device")
         self.model = model
         self.cache = model.new_cache(max_batch_size, capacity, growable=False)  # graphs keep its addresses
-        self.graphs = GraphedCalls(use_graphs)
+        self.graphs = CapturedCalls(use_graphs)
 
     @property
     def use_graphs(self) -> bool:

@@ -1,0 +1,64 @@
+"""How an Engine decodes: every option in one place, checked when it is made."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..ops.verify import IMPLEMENTATIONS
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma, one
+    value for the batch) from costs measured on this machine and each request's running
+    acceptance rate. Without a drafter every round is target-only and gamma is not used.
+    max_seq_len: the context a request may fill (default: the target's).
+    eos_token_ids: tokens that end a request (default: the target config's, else the tokenizer's).
+    verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch).
+    nvtx: mark the prefill, draft, verify (target forward) and accept phases for Nsight Systems.
+    time_phases: time those phases; each run's totals land in Engine.last_run_phases.
+    cuda_graphs: run the target's verifications and the draft model's steps as fixed-shape steps
+    on persistent caches of max_batch_size rows (steps.graphs), replayed from CUDA graphs on a
+    GPU; on a CPU the same path runs eagerly.
+    max_batch_size: the most requests decoding at once (default 8 with cuda_graphs, otherwise no
+    limit: the cache grows as requests join); the others wait in arrival order.
+    check_every: with cuda_graphs, run up to this many rounds from device state before reading
+    the results back (engine.device_rounds); tokens are the same as round by round."""
+    gamma: int | str = 5
+    max_gamma: int = 8
+    max_seq_len: int | None = None
+    eos_token_ids: tuple[int, ...] | None = None
+    verify_impl: str = "auto"
+    nvtx: bool = False
+    time_phases: bool = False
+    cuda_graphs: bool = False
+    max_batch_size: int | None = None
+    check_every: int = 1
+
+    def __post_init__(self):
+        if self.gamma != "auto" and not (_positive_int(self.gamma) and self.gamma <= 64):
+            raise ValueError(f"gamma must be an integer in [1, 64] or 'auto' when drafting, got {self.gamma!r}")
+        if not (_positive_int(self.max_gamma) and self.max_gamma <= 64):
+            raise ValueError(f"max_gamma must be an integer in [1, 64], got {self.max_gamma!r}")
+        if self.max_seq_len is not None and not (isinstance(self.max_seq_len, int) and self.max_seq_len >= 2):
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.eos_token_ids is not None:
+            if not isinstance(self.eos_token_ids, Sequence) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.eos_token_ids):
+                raise ValueError(f"eos_token_ids must be token ids, got {self.eos_token_ids!r}")
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.verify_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {self.verify_impl!r}")
+        if not _positive_int(self.check_every):
+            raise ValueError(f"check_every must be a positive integer, got {self.check_every!r}")
+        if self.check_every > 1 and not self.cuda_graphs:
+            raise ValueError("check_every > 1 runs rounds from device state on the fixed-shape steps: "
+                             "it needs cuda_graphs=True")
+        if self.max_batch_size is None and self.cuda_graphs:
+            object.__setattr__(self, "max_batch_size", 8)
+        if self.max_batch_size is not None and not _positive_int(self.max_batch_size):
+            raise ValueError(f"max_batch_size must be a positive integer, got {self.max_batch_size!r}")

@@ -1,0 +1,93 @@
+"""What requests gain: a round's tokens applied under the stop conditions (EOS, max_new_tokens,
+stop strings, a full context), the statistics they count, and the outputs and results reported."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+
+from .device_rounds import RowRounds
+from .request import Request, RequestOutput, Result
+from .text import settled_length
+
+log = logging.getLogger("specengine")
+
+
+class Outputs:
+    def __init__(self, tokenizer, eos_token_ids: Collection[int], max_seq_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_seq_len = max_seq_len
+
+    def apply(self, r: Request, outcome: RowRounds):
+        """Count a row's round (or block) in its statistics and append its tokens."""
+        s = r.stats
+        s.rounds += outcome.rounds
+        s.target_calls += outcome.rounds
+        s.draft_calls += outcome.draft_calls
+        s.drafted += outcome.drafted
+        s.accepted += outcome.accepted
+        s.rejections += outcome.rejections
+        for accepted, rounds in enumerate(outcome.histogram):
+            s.accepted_histogram[accepted] += rounds
+        self._append(r, outcome.tokens)
+        if r.finish_reason is not None:
+            r.stats.wall_time_s = time.perf_counter() - r.added_at
+
+    def _append(self, r: Request, new_tokens: list[int]):
+        """Append a round's tokens, ending the request exactly at EOS, max_new_tokens or a stop string."""
+        before = len(r.generated)
+        for token in new_tokens:
+            r.generated.append(token)
+            if token in self.eos_token_ids and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+                break
+            if len(r.generated) == r.params.max_new_tokens:
+                r.finish_reason = "length"
+                break
+        if r.params.stop and self.tokenizer is not None:
+            self._check_stop_strings(r, before)
+        if r.finish_reason is None and len(r.sequence_start) + len(r.generated) >= self.max_seq_len:
+            r.finish_reason = "capacity"
+            r.message = (f"stopped after {len(r.generated)} tokens: the context of {self.max_seq_len} tokens is full "
+                         f"(it began with {len(r.sequence_start)}); the partial output is kept")
+            log.warning(r.message)
+        r.stats.generated_tokens = len(r.generated)
+
+    def _check_stop_strings(self, r: Request, before: int):
+        decode = self.tokenizer.decode
+        text = decode(r.generated, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in r.params.stop) if i >= 0]
+        if not hits:
+            return
+        cut = min(hits)
+        # Keep tokens up to the one that completed the stop string; the text ends before it.
+        for n in range(before + 1, len(r.generated) + 1):
+            if any(s in decode(r.generated[:n], skip_special_tokens=True) for s in r.params.stop):
+                del r.generated[n:]
+                break
+        r.stop_text = text[:cut]
+        r.finish_reason = "stop"
+
+    def text(self, r: Request) -> str | None:
+        if r.stop_text is not None:
+            return r.stop_text
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(r.generated, skip_special_tokens=True)
+
+    def output(self, r: Request) -> RequestOutput:
+        """The tokens and text r gained since its last output."""
+        new_tokens = r.generated[r.sent_tokens:]
+        r.sent_tokens = len(r.generated)
+        new_text = None
+        if self.tokenizer is not None:
+            text = self.text(r)
+            end = len(text) if r.finish_reason is not None else settled_length(text, r.params.stop)
+            new_text = text[r.sent_chars:end] if end > r.sent_chars else ""
+            r.sent_chars = max(r.sent_chars, end)
+        return RequestOutput(r.request_id, new_tokens, new_text, r.finish_reason is not None, r.finish_reason,
+                             r.stats, r.message)
+
+    def result(self, r: Request) -> Result:
+        return Result(r.prompt_token_ids, list(r.generated), self.text(r), r.finish_reason, r.stats, r.message)
