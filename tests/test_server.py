@@ -251,6 +251,53 @@ def test_one_clients_disconnect_never_ends_anothers_stream(server, client, offli
     assert len(aborted) == before + 1
 
 
+def test_streams_that_disconnect_at_random_points_leave_the_others_exact(server, client, offline):
+    """Ten concurrent streamed requests (the server runs four at a time, the rest wait); a drawn
+    half of the clients go away after a drawn number of chunks. Every client that stays gets its
+    offline text, every one that left got a prefix of it, and the server goes idle."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, async_engine, aborted = server
+    draw = random.Random(30)
+    prompts = ["def add(a, b):", "import os\n", "class A:", "x = [", "for i in range(", "# sum\n"]
+    requests = [dict(prompt=prompts[i % len(prompts)], seed=100 + i, max_tokens=draw.randint(8, 30),
+                     temperature=draw.choice([0.0, 0.8, 1.2]), leave_after=draw.choice([None, 0, 1, 3, 6]))
+                for i in range(10)]
+    want = offline.generate([r["prompt"] for r in requests],
+                            [SamplingParams(max_new_tokens=r["max_tokens"], temperature=r["temperature"],
+                                            seed=r["seed"], ignore_eos=True) for r in requests])
+
+    def run(r):
+        stream = client.completions.create(model=MODEL, prompt=r["prompt"], max_tokens=r["max_tokens"],
+                                           temperature=r["temperature"], seed=r["seed"], stream=True,
+                                           extra_body={"ignore_eos": True})
+        text, reason = "", None
+        for n, chunk in enumerate(stream):
+            if r["leave_after"] is not None and n == r["leave_after"]:
+                stream.close()  # the client goes away
+                return text, "left"
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    before = len(aborted)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        got = list(pool.map(run, requests))
+    for r, (text, reason), result in zip(requests, got, want):
+        if reason == "left":
+            assert result.text.startswith(text)
+        else:
+            assert (text, reason) == (result.text, "length"), r
+    wait_idle(async_engine)
+    left = sum(reason == "left" for _, reason in got)
+    assert 0 < left < len(requests) and len(aborted) - before <= left
+    assert async_engine.engine.num_waiting == 0 and async_engine.engine.cache_rows_in_use == 0
+    steps = async_engine.steps
+    time.sleep(0.3)
+    assert async_engine.steps == steps  # idle: the driver waits, it does not step
+
+
 def test_a_stream_given_up_before_it_began_leaves_nothing_running(offline):
     """A client gone before its response started: the body is never iterated, so only the
     response itself can end its requests."""
