@@ -35,8 +35,9 @@ def _engine_arguments(parser: argparse.ArgumentParser, gamma: int | str, gamma_h
                                          "(default: the default pair, target and draft)")
     parser.add_argument("--draft", help="local Hugging Face folder or GGUF file of the draft model "
                                         "(none: target-only)")
-    parser.add_argument("--drafter", choices=("model", "ngram"), default="model",
-                        help="draft with the --draft model, or by prompt lookup (ngram)")
+    parser.add_argument("--drafter", choices=("model", "ngram", "suffix"), default="model",
+                        help="draft with the --draft model, by prompt lookup (ngram), or by suffix decoding over "
+                             "the prompt and earlier outputs (suffix)")
     parser.add_argument("--gamma", type=_gamma, default=gamma, help=gamma_help)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -224,8 +225,9 @@ def serve(args) -> int:
     server = None
     try:
         target, draft = _models(args)
-        drafting = ("drafting by prompt lookup (ngram)" if args.drafter == "ngram" else
-                    f"draft {draft}" if draft is not None else "no draft (target-only)")
+        drafting = {"ngram": "drafting by prompt lookup (ngram)",
+                    "suffix": "drafting from earlier text (suffix)"}.get(
+            args.drafter, f"draft {draft}" if draft is not None else "no draft (target-only)")
         _say(f"loading target {target}, {drafting} ...")
         start = time.perf_counter()
         engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,

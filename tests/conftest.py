@@ -33,6 +33,16 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
+def long_context_target(tmp_path_factory, tokenizer):
+    """A tiny target with a context long enough for streams to outlast a shutdown's grace period."""
+    folder = tmp_path_factory.mktemp("long") / "target"
+    config = make_config(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, max_position_embeddings=8192,
+                         eos_token_id=tokenizer.eos_token_id)
+    save_random_checkpoint(folder, config, tokenizer, seed=0, init_std=0.3)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(case, dtype) -> folder of a tiny random checkpoint saved in dtype (cached per
     session). A bfloat16 checkpoint loads on a CPU with bfloat16-stored matrices."""

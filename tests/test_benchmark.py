@@ -63,8 +63,16 @@ def test_bench_runs_every_configuration_and_checks_greedy_against_hf(text_pair, 
             assert 0 <= alpha <= 1 and predicted > 0 and float(row["c"]) > 0, name
             for column in ("round_ms", "draft_ms_per_round", "verify_ms_per_round", "ops_ratio"):
                 assert float(row[column]) > 0, (name, column)
+            # Acceptance at each of the gamma draft positions (every drafting round drafts at the
+            # first, so it has a figure; a later one may have none, "n/a")
+            by_position = row["alpha_by_position"].split()
+            assert len(by_position) == int(row["gamma"]) and 0 <= float(by_position[0]) <= 1, name
+            assert all(a == "n/a" or 0 <= float(a) <= 1 for a in by_position), name
+        if row["kind"] != "spec" or row["drafter"] == "":
+            assert row["alpha_by_position"] == "", name
     out = capsys.readouterr().out
     assert "Paper Table 3 view" in out and "n-gram (prompt lookup)" in out
+    assert "Acceptance by draft position" in out
     # The runs as measured, kept beside the table
     (raw,) = tmp_path.glob("e2e-*-runs.json")
     runs = json.loads(raw.read_text())

@@ -69,18 +69,6 @@ def test_serve_refuses_at_once_what_it_could_only_fail_on_after_loading(text_pai
     assert err.startswith("specengine: error: " + message.format(**names)) and err.count("\n") == 1
 
 
-@pytest.fixture(scope="module")
-def long_context_target(tmp_path_factory, tokenizer):
-    """A tiny target with a context long enough for a stream to outlast the grace period."""
-    from specengine.devtools.tiny import make_config, save_random_checkpoint
-
-    folder = tmp_path_factory.mktemp("long") / "target"
-    config = make_config(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, max_position_embeddings=8192,
-                         eos_token_id=tokenizer.eos_token_id)
-    save_random_checkpoint(folder, config, tokenizer, seed=0, init_std=0.3)
-    return folder
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_serve_says_what_it_does_and_stops_within_the_grace_period(long_context_target, sig):
     grace = 1.5

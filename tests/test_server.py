@@ -326,18 +326,6 @@ def test_a_stream_given_up_before_it_began_leaves_nothing_running(offline):
     assert asyncio.run(main()) == (False, {})
 
 
-@pytest.fixture(scope="module")
-def long_context_target(tmp_path_factory, tokenizer):
-    """A tiny target with a context long enough for streams to outlast a grace period."""
-    from specengine.devtools.tiny import make_config, save_random_checkpoint
-
-    folder = tmp_path_factory.mktemp("long") / "target"
-    config = make_config(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, max_position_embeddings=8192,
-                         eos_token_id=tokenizer.eos_token_id)
-    save_random_checkpoint(folder, config, tokenizer, seed=0, init_std=0.3)
-    return folder
-
-
 def test_shutdown_lets_open_requests_run_for_the_grace_period_then_ends_them_with_abort(long_context_target):
     import json
     import threading

@@ -14,8 +14,9 @@ Every configuration runs in one process after a warm-up; the repeats are interle
     crashed and without repacking ran at about 2 tok/s.
 Prompts: for a target with a chat template, held-out chat requests (specengine.devtools.corpus,
 a split no shipped model trained on) through the template; else code cut from the pycode pair's
-held-out files. Per configuration: tokens/s, ratios to HF and HF assisted, alpha, tokens per target call, c, the
-speedup over specengine target-only (the paper's baseline) next to Theorem 3.8's prediction,
+held-out files. Per configuration: tokens/s, ratios to HF and HF assisted, alpha (overall and by draft
+position), tokens per target call, c, the speedup over specengine target-only (the paper's
+baseline) next to Theorem 3.8's prediction,
 the extra arithmetic (the paper's Table 1 "ops"), where a round's time goes, and whether greedy
 outputs equal HF's greedy outputs. Writes <label>-<date>.csv (label "e2e" unless given) and, with
 matplotlib, <label>-<date>.png:
@@ -377,7 +378,8 @@ class Decoder:
 
 def summary(tally: Tally) -> dict:
     """One configuration's run: seconds, tokens and outputs; for specengine, its drafts' alpha,
-    tokens per target call, accepted-length histogram, rounds and phases."""
+    tokens per target call, accepted-length histogram, drafts made and accepted by draft position,
+    rounds and phases."""
     stats = tally.stats
     run_stats = dict(seconds=tally.seconds, tokens=sum(len(o) for o in tally.outputs), outputs=tally.outputs)
     if stats:
@@ -386,6 +388,8 @@ def summary(tally: Tally) -> dict:
         run_stats.update(alpha=accepted / tested if tested else None,
                          tokens_per_call=sum(s.generated_tokens for s in stats) / sum(s.rounds for s in stats),
                          histogram=[sum(h) for h in zip(*(s.accepted_histogram for s in stats))],
+                         drafted_by_position=[sum(n) for n in zip(*(s.drafted_by_position for s in stats))],
+                         accepted_by_position=[sum(n) for n in zip(*(s.accepted_by_position for s in stats))],
                          batch_rounds=tally.batch_rounds, phases=tally.phases)
     return run_stats
 
@@ -447,6 +451,7 @@ def derive(options: BenchOptions, models: Models, measured: Measurements, date: 
                    else "n/a (HF assisted: batch 1 only)",
                    vs_llamacpp_bf16=round(rate[key] / rate[llamacpp], 3) if llamacpp in rate else "",
                    alpha=round(alpha, 4) if alpha is not None else "",
+                   alpha_by_position=alpha_by_position(key_runs),
                    tokens_per_target_call=round(statistics.median(r["tokens_per_call"] for r in key_runs), 3)
                    if "tokens_per_call" in key_runs[0] else "",
                    c=round(draft_cost(costs[key.batch]), 4) if key.drafter == "model" else "",
@@ -454,6 +459,20 @@ def derive(options: BenchOptions, models: Models, measured: Measurements, date: 
                    **predictions(key, alpha, costs[key.batch], models.params_ratio))
         rows.append(dict(row, **round_profile(key, key_runs), **greedy_check(key, runs)))
     return rows
+
+
+def alpha_by_position(key_runs: list[dict]) -> str:
+    """Acceptance at each draft position over all the runs (drafts accepted there / drafts made
+    there), space-separated, "n/a" at a position never drafted; "" for a configuration that drafted
+    nothing. Pooled rather than a median of runs: the far positions of gamma="auto" see few drafts
+    per run."""
+    if "drafted_by_position" not in key_runs[0]:
+        return ""
+    drafted = [sum(n) for n in zip(*(r["drafted_by_position"] for r in key_runs))]
+    accepted = [sum(n) for n in zip(*(r["accepted_by_position"] for r in key_runs))]
+    if not any(drafted):
+        return ""
+    return " ".join(f"{a / d:.3f}" if d else "n/a" for a, d in zip(accepted, drafted))
 
 
 def draft_cost(costs: CostModel) -> float:
@@ -536,6 +555,10 @@ def print_tables(rows: list[dict], costs: dict, gammas: list[int]):
         if "round_ms" in row and row["drafter"] != "ngram":
             print(f"  {row['config']:38s} {row['round_ms']:7.2f} = {row['draft_ms_per_round']:6.2f} + "
                   f"{row['verify_ms_per_round']:6.2f} + {row['accept_ms_per_round']:5.2f} + {row['host_ms_per_round']:5.2f}")
+    print("\nAcceptance by draft position (drafts accepted / made at positions 1..gamma), the draft model")
+    for row in rows:
+        if row["drafter"] == "model":
+            print(f"  {row['config']:38s} {row['alpha_by_position'] or 'no drafts'}")
     # The draft model at gamma 4 when it ran (else its largest gamma), the n-gram drafter at NGRAM_GAMMA.
     model_gamma = NGRAM_GAMMA if NGRAM_GAMMA in gammas else max(gammas)
     print("\nPaper Table 3 view: alpha per (drafter, temperature) at the smallest batch")

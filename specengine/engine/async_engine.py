@@ -11,6 +11,9 @@ loop's, which should be the thread that built it.
 
 Cancelling or closing a generate_async iterator (a client that went away) aborts its request;
 each iterator reads only its own request, so one reader's end never ends another's.
+
+Listeners (the server's metrics) are told of every request added and every output delivered,
+whether or not anyone still reads it: an aborted request's last output is seen too.
 """
 from __future__ import annotations
 
@@ -18,12 +21,22 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from ..sampling.params import SamplingParams
 from .engine import Engine, Prompt
 from .request import RequestOutput
 
 log = logging.getLogger("specengine")
+
+
+class Listener(Protocol):
+    """Told, on the loop's thread, of each request added and of each step's outputs as they are
+    delivered. It must be quick (a step waits for it); what it raises is logged, not raised."""
+
+    def added(self, request_id: str) -> None: ...
+
+    def delivered(self, outputs: list[RequestOutput]) -> None: ...
 
 
 class AsyncEngine:
@@ -35,6 +48,7 @@ class AsyncEngine:
         self._driver: asyncio.Task | None = None
         self.steps = 0  # steps run so far (tests and the server's /health read it)
         self.stopping: str | None = None  # why abort_all() ended every request (a shutdown), else None
+        self.listeners: list[Listener] = []
 
     async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None,
                              request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -55,6 +69,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         request_id = self.engine.add_request(prompt, params, request_id)
         self._streams[request_id] = asyncio.Queue()
+        self._tell("added", request_id)
         self._start_driver()
         return request_id
 
@@ -136,6 +151,15 @@ class AsyncEngine:
             queue = self._streams.get(out.request_id)
             if queue is not None:  # None: its reader has gone (and aborted it)
                 queue.put_nowait(out)
+        if outputs:
+            self._tell("delivered", outputs)
+
+    def _tell(self, event: str, arg):
+        for listener in self.listeners:
+            try:
+                getattr(listener, event)(arg)
+            except Exception:  # noqa: BLE001 (a listener's fault must not stop serving)
+                log.exception("listener %r failed on %s", listener, event)
 
     async def _idle(self, timeout: float | None = None):
         """Wait until add_request or abort has something for the next step (or timeout seconds)."""

@@ -10,13 +10,14 @@ import torch
 from ..drafters.base import Drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.ngram import NgramDrafter
+from ..drafters.suffix import SuffixDrafter
 from ..layers.parallel import init_tensor_parallel
 from ..models.loader import Model, load_model
 from ..tokenizer import TokenizerMismatchError, check_same_vocabulary, has_tokenizer, load_tokenizer
 
 log = logging.getLogger("specengine")
 
-DRAFTERS = ("model", "ngram")
+DRAFTERS = ("model", "ngram", "suffix")
 
 
 def load_models(target: str | Path, draft: str | Path | None, drafter: str, device: str,
@@ -26,8 +27,8 @@ def load_models(target: str | Path, draft: str | Path | None, drafter: str, devi
     Engine.from_pretrained."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
-    if drafter == "ngram" and draft is not None:
-        raise ValueError("the ngram drafter takes no draft model; drop `draft` or use drafter='model'")
+    if drafter in ("ngram", "suffix") and draft is not None:
+        raise ValueError(f"the {drafter} drafter takes no draft model; drop `draft` or use drafter='model'")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {device!r} requested but CUDA is not available")
     if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
@@ -42,6 +43,8 @@ def load_models(target: str | Path, draft: str | Path | None, drafter: str, devi
     tokenizer = load_tokenizer(target)
     if drafter == "ngram":
         return target_model, tokenizer, NgramDrafter()
+    if drafter == "suffix":
+        return target_model, tokenizer, SuffixDrafter()
     if draft is None:
         return target_model, tokenizer, None
     log.info("loading draft %s", draft)

@@ -30,6 +30,16 @@ class Outputs:
         s.rejections += outcome.rejections
         for accepted, rounds in enumerate(outcome.histogram):
             s.accepted_histogram[accepted] += rounds
+        # By draft position: a host round is one round of outcome.drafted drafts, and every round of
+        # a block from device state drafts the same gamma (see device_rounds), so each of the
+        # outcome's rounds drafted drafted / rounds.
+        per_round = outcome.drafted // outcome.rounds if outcome.rounds else 0
+        for position in range(per_round):
+            s.drafted_by_position[position] += outcome.rounds
+        at_least = 0  # rounds that accepted at least position + 1 drafts
+        for position in range(len(outcome.histogram) - 2, -1, -1):
+            at_least += outcome.histogram[position + 1]
+            s.accepted_by_position[position] += at_least
         self._append(r, outcome.tokens)
         if r.finish_reason is not None:
             r.stats.wall_time_s = time.perf_counter() - r.added_at

@@ -22,11 +22,19 @@ class DecodeStats:
     accepted: int = 0        # draft tokens accepted
     rejections: int = 0      # rounds that ended by rejecting a draft
     accepted_histogram: list[int] = field(default_factory=list)  # [gamma+1]: rounds by drafts accepted
+    # Per draft position i (0-based, [gamma]): rounds that proposed at least i + 1 drafts, and rounds
+    # that accepted at least i + 1. They sum to drafted and accepted.
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
 
     def __post_init__(self):
         if not self.accepted_histogram:
             self.accepted_histogram = [0] * (self.gamma + 1)
+        if not self.drafted_by_position:
+            self.drafted_by_position = [0] * self.gamma
+        if not self.accepted_by_position:
+            self.accepted_by_position = [0] * self.gamma
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -37,6 +45,13 @@ class DecodeStats:
         """
         tests = self.accepted + self.rejections
         return self.accepted / tests if tests else None
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        """Per draft position: the share of the drafts made there that were accepted (None where
+        none was made). A draft is made at position i only if the round drafts that far, and
+        tested only if every draft before it was accepted, so the figures tend to fall with i."""
+        return [a / d if d else None for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     @property
     def tokens_per_round(self) -> float | None:
@@ -56,21 +71,26 @@ class DecodeStats:
                 setattr(total, name, getattr(total, name) + getattr(p, name))
             for i, count in enumerate(p.accepted_histogram):
                 total.accepted_histogram[i] += count
+            for i, (drafted, accepted) in enumerate(zip(p.drafted_by_position, p.accepted_by_position)):
+                total.drafted_by_position[i] += drafted
+                total.accepted_by_position[i] += accepted
         total.wall_time_s = wall_time_s
         return total
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items()}
-        out.update(acceptance_rate=self.acceptance_rate, tokens_per_round=self.tokens_per_round,
-                   tokens_per_s=self.tokens_per_s)
+        out = {k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()}
+        out.update(acceptance_rate=self.acceptance_rate, acceptance_by_position=self.acceptance_by_position,
+                   tokens_per_round=self.tokens_per_round, tokens_per_s=self.tokens_per_s)
         return out
 
     def summary(self) -> str:
         def fmt(x, spec):
             return "n/a" if x is None else format(x, spec)
+        by_position = ", ".join(fmt(a, ".2f") for a in self.acceptance_by_position)
         return (f"{self.generated_tokens} tokens in {self.wall_time_s:.2f}s ({fmt(self.tokens_per_s, '.1f')} tok/s), "
                 f"{self.rounds} rounds, {fmt(self.tokens_per_round, '.2f')} tokens/target call, "
-                f"alpha {fmt(self.acceptance_rate, '.3f')}, accepted-length histogram {self.accepted_histogram}, "
+                f"alpha {fmt(self.acceptance_rate, '.3f')}, acceptance by position [{by_position}], "
+                f"accepted-length histogram {self.accepted_histogram}, "
                 f"{self.target_calls} target calls, {self.draft_calls} draft calls")
 
 

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP server (needs the `serve` extra: fastapi and uvicorn)."""
+"""The OpenAI-compatible HTTP server (needs the `serve` extra: fastapi, uvicorn and prometheus_client)."""

@@ -3,6 +3,7 @@
 
   POST /v1/completions, /v1/chat/completions   JSON, or server-sent events with "stream": true
   GET  /v1/models, /health
+  GET  /metrics                                Prometheus' text format (see server/metrics.py)
 
 Every request is its own engine request, joining the running batch at the next round. A bad
 request gets HTTP 400 with an OpenAI error body naming the parameter (a body that is not JSON
@@ -23,11 +24,12 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.request import RequestOutput
+from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest
 
 # The engine's reasons, as OpenAI's: a full context is a length limit too. "abort" (vLLM's) is
@@ -155,14 +157,21 @@ class Server(uvicorn.Server):
 
 
 def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    metrics = ServerMetrics(engine.engine)
+    engine.listeners.append(metrics)
+
     @contextlib.asynccontextmanager
     async def lifespan(_):
-        yield
-        await engine.close()  # at shutdown: stop the driver, abort what is left
+        try:
+            yield
+            await engine.close()  # at shutdown: stop the driver, abort what is left (counted too)
+        finally:
+            engine.listeners.remove(metrics)
 
     app = FastAPI(title="specengine", summary="speculative decoding behind an OpenAI-compatible API",
                   lifespan=lifespan)
     app.state.engine = engine
+    app.state.metrics = metrics
     max_seq_len = engine.engine.max_seq_len
 
     @app.exception_handler(RequestValidationError)
@@ -191,6 +200,11 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         inner = engine.engine
         return {"status": "ok", "running": inner.num_running, "waiting": inner.num_waiting,
                 "cache_rows_in_use": inner.cache_rows_in_use, "steps": engine.steps}
+
+    @app.get("/metrics")
+    async def scrape():
+        # async: served on the loop's thread, the engine's, whose running and waiting it reads
+        return Response(metrics.scrape(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
