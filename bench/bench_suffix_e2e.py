@@ -18,18 +18,8 @@ import time
 from specengine import Engine, SamplingParams, default_pair
 from specengine.devtools.benchmark import machine_name
 
-from common import write_json
+from common import CHAT_REQUESTS, write_json
 
-REQUESTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain in two sentences what a hash table is.",
-    "List three uses of the command `grep`.",
-    "What is the difference between a list and a tuple in Python?",
-    "Give a short recipe for pancakes.",
-    "Summarise the plot of Romeo and Juliet in three sentences.",
-    "Write a haiku about autumn rain.",
-    "How do I reverse a linked list? Answer with code.",
-]
 
 
 def timed_pass(engine: Engine, prompts, params) -> tuple[float, list[list[int]], float | None]:
@@ -54,7 +44,7 @@ def main():
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
     target, _ = default_pair()
     plain = Engine.from_pretrained(target)
-    prompts = [plain.chat_prompt([{"role": "user", "content": r}]) for r in REQUESTS]
+    prompts = [plain.chat_prompt([{"role": "user", "content": r}]) for r in CHAT_REQUESTS]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
     plain.generate([prompts[0]], SamplingParams(max_new_tokens=8, temperature=0.0))  # warm-up
     rates: dict[str, list[float]] = {}
@@ -76,7 +66,7 @@ def main():
                       + (f" alpha {alpha:.2f}" if alpha is not None else ""), flush=True)
     medians = {k: statistics.median(v) for k, v in rates.items()}
     result = dict(date=datetime.date.today().isoformat(), machine=machine_name(), gamma=args.gamma,
-                  new_tokens=args.new_tokens, requests=len(REQUESTS), repeats=args.repeats, batch=1,
+                  new_tokens=args.new_tokens, requests=len(CHAT_REQUESTS), repeats=args.repeats, batch=1,
                   tok_s=medians, runs=rates, alpha={k: statistics.median(v) for k, v in alphas.items()},
                   speedup_fresh=medians["suffix fresh"] / medians["target-only fresh"],
                   speedup_recurring=medians["suffix recurring"] / medians["target-only recurring"],

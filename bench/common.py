@@ -19,6 +19,20 @@ def sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+# Short chat requests of several kinds (code, explanation, lists, prose), for end-to-end runs that
+# compare engines on the same requests one at a time.
+CHAT_REQUESTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain in two sentences what a hash table is.",
+    "List three uses of the command `grep`.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give a short recipe for pancakes.",
+    "Summarise the plot of Romeo and Juliet in three sentences.",
+    "Write a haiku about autumn rain.",
+    "How do I reverse a linked list? Answer with code.",
+]
+
+
 def write_json(result: dict, out: str | None, default_name: str):
     """Write a benchmark's results to `out`, or to bench/results/<default_name>."""
     path = Path(out) if out else RESULTS / default_name

@@ -20,18 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from common import CHAT_REQUESTS
+
 # (name, gamma or None for target-only, temperature)
 CONFIGS = [("target-only T=0", None, 0.0), ("gamma=auto T=0", "auto", 0.0), ("gamma=3 T=1", 3, 1.0)]
-REQUESTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain in two sentences what a hash table is.",
-    "List three uses of the command `grep`.",
-    "What is the difference between a list and a tuple in Python?",
-    "Give a short recipe for pancakes.",
-    "Summarise the plot of Romeo and Juliet in three sentences.",
-    "Write a haiku about autumn rain.",
-    "How do I reverse a linked list? Answer with code.",
-]
 
 WORKER = r"""
 import json, sys, time
@@ -90,7 +82,7 @@ def main(argv=None) -> int:
     trees = dict(t.split("=", 1) for t in args.tree)
     if len(trees) != 2:
         parser.error("give exactly two --tree LABEL=PATH")
-    spec = dict(configs=CONFIGS, requests=REQUESTS, new_tokens=args.new_tokens, threads=args.threads)
+    spec = dict(configs=CONFIGS, requests=CHAT_REQUESTS, new_tokens=args.new_tokens, threads=args.threads)
     workers = {}
     for label, path in trees.items():
         env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()), OMP_NUM_THREADS=str(args.threads))
@@ -126,7 +118,7 @@ def main(argv=None) -> int:
                                                                         second: rates[second, name]}))
         print(f"{name:18s} {first} {a:6.1f}  {second} {b:6.1f}  ratio {b / a:.3f}  same tokens: {same}")
     report = dict(date=time.strftime("%Y-%m-%d", time.gmtime(started)), machine=machine(), threads=args.threads,
-                  trees=trees, repeats=args.repeats, new_tokens=args.new_tokens, requests=len(REQUESTS),
+                  trees=trees, repeats=args.repeats, new_tokens=args.new_tokens, requests=len(CHAT_REQUESTS),
                   batch=1, rows=rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
