@@ -86,7 +86,7 @@ class DecodeStats:
     def summary(self) -> str:
         def fmt(x, spec):
             return "n/a" if x is None else format(x, spec)
-        by_position = ", ".join(fmt(a, ".2f") for a in self.acceptance_by_position)
+        by_position = ", ".join(fmt(a, ".2f") for a in self.acceptance_by_position) or "n/a"
         return (f"{self.generated_tokens} tokens in {self.wall_time_s:.2f}s ({fmt(self.tokens_per_s, '.1f')} tok/s), "
                 f"{self.rounds} rounds, {fmt(self.tokens_per_round, '.2f')} tokens/target call, "
                 f"alpha {fmt(self.acceptance_rate, '.3f')}, acceptance by position [{by_position}], "
