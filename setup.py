@@ -14,10 +14,13 @@ ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 ext_modules = [
     Pybind11Extension(
         "specengine._C",
-        sources=["csrc/bindings.cpp", "csrc/decoder.cpp", "csrc/gemm.cpp", "csrc/layers.cpp", "csrc/linear.cpp",
-                 "csrc/ngram.cpp", "csrc/verify.cpp"],
+        sources=["csrc/bindings.cpp", "csrc/blocks.cpp", "csrc/decoder.cpp", "csrc/gemm.cpp", "csrc/layers.cpp",
+                 "csrc/linear.cpp", "csrc/ngram.cpp", "csrc/verify.cpp"],
         cxx_std=17,
-        extra_compile_args=["-O3", "-fopenmp"],
+        # -ffp-contract=off: blocks.cpp's weights must be gguf's float32 values, each multiply and
+        # add rounded on its own, and GCC would otherwise fuse any a * b + c (even one written with
+        # _mm512_mul_ps and _mm512_add_ps) into an FMA. Explicit FMA intrinsics are unaffected.
+        extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
         extra_link_args=["-fopenmp"],
     ),
 ]

@@ -16,6 +16,22 @@ stayed must have ended with its seeded offline output, every streamed part a pre
 output, and the server must go idle (/health empty, no steps, near no CPU) with its memory flat.
 The soak's verdict is in the JSON and a markdown summary beside it; the script exits 1 if it fails.
 
+  phase "joins" (--joins N): prompts of --join-prompt-tokens tokens (distinct) joining while others
+                         decode: first N one at a time (the single-stream figures), then N over
+                         --clients clients that start --join-stagger seconds apart. Reported: the
+                         gaps between a running stream's chunks and the time to first token, p50 and
+                         p99, and their ratios to the single-stream figures (chunked prefill's
+                         targets: p99 gap at most 2x the single-stream gap, TTFT p50 at most 2x);
+  phase "prefix" (--prefix-pairs N): N pairs of requests on an idle server, each pair sharing a
+                         --prefix-tokens-token prefix of its own: the first computes it, the second
+                         finds it in the prefix cache. Reported: both times to first token and their
+                         ratio (target: the second at least 4x sooner).
+
+--soak-shared-prefixes K builds the soak's prompts as one of K shared prefixes (32 to
+--prefix-tokens tokens, mixed) followed by a held-out chat prompt: the prefix cache then serves
+(and evicts, and is aborted with) most of them, and every output must still equal offline
+generation.
+
 Reports total tokens/s, time to first token and time per output token (p50, p99), the gaps
 between streamed chunks, and the server's RSS. Every phase is bounded by --time-limit.
 
@@ -24,6 +40,9 @@ between streamed chunks, and the server's RSS. Every phase is bounded by --time-
   python bench/bench_serve.py --gamma 2 --soak 1000 --disconnect-fraction 0.2 --non-streaming-fraction 0.25
   python bench/bench_serve.py --gamma 2 --soak-only --soak 40 --soak-max-tokens 16 --disconnect-fraction 0.3 \
       --non-streaming-fraction 0.25                # the same in miniature (a minute or two)
+  python bench/bench_serve.py --sequential 0 --requests 0 --joins 16 --prefix-pairs 4   # chunked prefill, prefix cache
+  python bench/bench_serve.py --gamma 2 --soak-only --soak 1000 --soak-shared-prefixes 8 --disconnect-fraction 0.2 \
+      --non-streaming-fraction 0.25                # the soak with shared prefixes
 """
 from __future__ import annotations
 
@@ -46,7 +65,7 @@ import torch
 
 from specengine import Engine, SamplingParams, default_pair
 from specengine.devtools.benchmark import machine_name
-from specengine.devtools.corpus import heldout_chat_prompts
+from specengine.devtools.corpus import heldout_chat_prompts, is_held_out, read, stdlib_files
 
 from common import RESULTS, write_json
 
@@ -98,6 +117,24 @@ def requests_for(prompts: list[list[int]], count: int, max_tokens: int, temperat
                  first_seed: int) -> list[Sent]:
     """`count` requests over the prompts in turn, seeded first_seed, first_seed + 1, ..."""
     return [Sent(prompts[i % len(prompts)], max_tokens, temperature, first_seed + i) for i in range(count)]
+
+
+def code_tokens(tokenizer, count: int, start: int) -> list[int]:
+    """`count` token ids of held-out standard-library source, from the start-th held-out file on
+    (distinct starts give distinct texts, so no prompt shares a prefix block with another by chance)."""
+    files = [p for p in stdlib_files() if is_held_out(p)]
+    out: list[int] = []
+    for path in files[start % len(files):] + files[:start % len(files)]:
+        out += tokenizer(read(path), add_special_tokens=False)["input_ids"]
+        if len(out) >= count:
+            return out[:count]
+    raise ValueError(f"the held-out files hold fewer than {count} tokens")
+
+
+def long_prompts(tokenizer, count: int, tokens: int, first: int) -> list[list[int]]:
+    """`count` distinct prompts of `tokens` tokens: a held-out chat prompt after source code."""
+    chats = heldout_chat_prompts(tokenizer, count, max_tokens=min(tokens // 2, 256))
+    return [code_tokens(tokenizer, tokens - len(chat), first + i) + chat for i, chat in enumerate(chats)]
 
 
 def percentiles(values: list[float]) -> dict:
@@ -165,16 +202,19 @@ async def send_unstreamed(client: openai.AsyncOpenAI, model: str, request: Sent)
 
 
 async def run_phase(base_url: str, model: str, requests: list[Sent], clients: int, deadline: float,
-                    on_done=None, before_send=None, keep_going: bool = False) -> tuple[float, int]:
+                    on_done=None, before_send=None, keep_going: bool = False,
+                    stagger: float = 0.0) -> tuple[float, int]:
     """Send the requests over `clients` concurrent clients; (wall seconds, requests sent and ended,
     answered or not). keep_going: a request that fails is recorded (request.error) and the next
-    sent, instead of ending the phase."""
+    sent, instead of ending the phase. stagger: client k sends its first request k * stagger
+    seconds after the first client."""
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
     pending = iter(requests)
     done = 0
 
-    async def worker():
+    async def worker(k: int):
         nonlocal done
+        await asyncio.sleep(k * stagger)
         for request in pending:
             if time.perf_counter() > deadline:
                 return
@@ -192,7 +232,7 @@ async def run_phase(base_url: str, model: str, requests: list[Sent], clients: in
 
     start = time.perf_counter()
     async with client:
-        await asyncio.gather(*(worker() for _ in range(clients)))
+        await asyncio.gather(*(worker(k) for k in range(clients)))
     return time.perf_counter() - start, done
 
 
@@ -223,6 +263,8 @@ def start_server(args, target, draft, port: int) -> subprocess.Popen:
                "--served-model-name", "bench"]
     if draft is not None:
         command += ["--draft", str(draft)]
+    command += ["--prefill-chunk-tokens", str(args.prefill_chunk_tokens), "--prefix-cache-mib",
+                str(args.prefix_cache_mib)]
     server = subprocess.Popen(command)
     deadline = time.monotonic() + 600
     while True:
@@ -287,6 +329,19 @@ def main():
     parser.add_argument("--non-streaming-fraction", type=float, default=0.0,
                         help="soak requests sent without streaming (default 0: all streamed)")
     parser.add_argument("--soak-seed", type=int, default=0, help="seeds which clients go away, and when")
+    parser.add_argument("--soak-shared-prefixes", type=int, default=0, metavar="K",
+                        help="soak prompts start with one of K shared prefixes of mixed lengths (default 0: none)")
+    parser.add_argument("--joins", type=int, default=0, metavar="N",
+                        help="requests of the joins phase, one at a time and then concurrent (default 0: none)")
+    parser.add_argument("--join-prompt-tokens", type=int, default=500)
+    parser.add_argument("--join-max-tokens", type=int, default=64)
+    parser.add_argument("--join-stagger", type=float, default=1.0, metavar="SECONDS",
+                        help="between the concurrent clients' first requests (default 1)")
+    parser.add_argument("--prefix-pairs", type=int, default=0, metavar="N",
+                        help="request pairs of the prefix phase (default 0: none)")
+    parser.add_argument("--prefix-tokens", type=int, default=1000)
+    parser.add_argument("--prefill-chunk-tokens", default="auto", help="the server's --prefill-chunk-tokens")
+    parser.add_argument("--prefix-cache-mib", default="auto", help="the server's --prefix-cache-mib")
     parser.add_argument("--time-limit", type=float, default=1800, help="seconds per phase at most")
     parser.add_argument("--out", help="JSON path (default bench/results/serve-<date>.json, serve-soak-<date>.json "
                                       "with --soak-only); a soak's markdown summary goes beside it")
@@ -302,6 +357,12 @@ def main():
                                      max_batch_size=args.max_batch_size)
     prompts = heldout_chat_prompts(offline.tokenizer, max(args.sequential, args.requests, min(args.soak, 64), 1),
                                    max_tokens=256)
+    if args.soak_shared_prefixes:
+        # Prefixes of mixed lengths, 32 tokens to --prefix-tokens, each shared by a share of the prompts.
+        k = args.soak_shared_prefixes
+        lengths = [32 + (args.prefix_tokens - 32) * i // max(k - 1, 1) for i in range(k)]
+        prefixes = [code_tokens(offline.tokenizer, n, 1000 + i) for i, n in enumerate(lengths)]
+        prompts = [prefixes[i % k] + p for i, p in enumerate(prompts)]
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     server = start_server(args, target, draft, port)
@@ -316,7 +377,7 @@ def main():
         warm_up = requests_for(prompts, 2, 8, args.temperature, 10**6)
         asyncio.run(run_phase(base_url, "bench", warm_up, 2, time.perf_counter() + 600))
         result["rss_mib_start"] = rss_mib(server.pid)
-        if not args.soak_only:
+        if not args.soak_only and (args.sequential or args.requests):
             alone = requests_for(prompts, args.sequential, args.max_tokens, args.temperature, 0)
             together = requests_for(prompts, args.requests, args.max_tokens, args.temperature, 1000)
             for name, requests, clients in (("one at a time", alone, 1), ("concurrent", together, args.clients)):
@@ -324,8 +385,13 @@ def main():
                                                 time.perf_counter() + args.time_limit))
                 result["phases"].append(summary(name, requests, wall, clients))
             one, many = result["phases"]
-            result["concurrent_over_one_at_a_time"] = many["tokens_per_s"] / one["tokens_per_s"]
-            print(f"concurrent / one at a time: {result['concurrent_over_one_at_a_time']:.2f}x", flush=True)
+            if one["tokens_per_s"] and many["tokens_per_s"]:
+                result["concurrent_over_one_at_a_time"] = many["tokens_per_s"] / one["tokens_per_s"]
+                print(f"concurrent / one at a time: {result['concurrent_over_one_at_a_time']:.2f}x", flush=True)
+        if args.joins and not args.soak_only:
+            result["joins"] = joins(args, base_url, offline.tokenizer)
+        if args.prefix_pairs and not args.soak_only:
+            result["prefix"] = prefix_pairs(args, base_url, offline.tokenizer)
         if args.soak:
             result["soak"] = soak(args, base_url, server, offline, prompts)
         result["rss_mib_end"] = rss_mib(server.pid)
@@ -341,6 +407,55 @@ def main():
         print(f"wrote {markdown}")
         if not result["soak"]["passed"]:
             sys.exit(1)
+
+
+def joins(args, base_url: str, tokenizer) -> dict:
+    """Prompts of --join-prompt-tokens joining while others decode: one at a time, then over
+    --clients clients starting --join-stagger s apart (each sends its requests back to back)."""
+    n, deadline = args.joins, lambda: time.perf_counter() + args.time_limit  # noqa: E731
+    prompts = long_prompts(tokenizer, 2 * n, args.join_prompt_tokens, first=0)
+    alone = [Sent(p, args.join_max_tokens, args.temperature, 20000 + i) for i, p in enumerate(prompts[:n])]
+    wall, _ = asyncio.run(run_phase(base_url, "bench", alone, 1, deadline()))
+    single = summary("joins, alone", alone, wall, 1)
+    together = [Sent(p, args.join_max_tokens, args.temperature, 30000 + i) for i, p in enumerate(prompts[n:])]
+    wall, _ = asyncio.run(run_phase(base_url, "bench", together, args.clients, deadline(),
+                                    stagger=args.join_stagger))
+    many = summary(f"joins, {args.clients} streams", together, wall, args.clients)
+    ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+    out = dict(prompt_tokens=args.join_prompt_tokens, max_tokens=args.join_max_tokens, stagger_s=args.join_stagger,
+               alone=single, concurrent=many,
+               # Chunked prefill's targets: a running stream's p99 gap and the p50 time to first token
+               # at most 2x the single-stream figures.
+               p99_gap_over_single_p50_gap=ratio(many["chunk_gap_s"]["p99"], single["chunk_gap_s"]["p50"]),
+               p99_gap_over_single_p99_gap=ratio(many["chunk_gap_s"]["p99"], single["chunk_gap_s"]["p99"]),
+               p99_gap_over_p50_gap=ratio(many["chunk_gap_s"]["p99"], many["chunk_gap_s"]["p50"]),
+               ttft_p50_over_single=ratio(many["ttft_s"]["p50"], single["ttft_s"]["p50"]))
+    fmt = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
+    print(f"        joins: p99 gap / single-stream p50 gap {fmt(out['p99_gap_over_single_p50_gap'])}, / single-stream "
+          f"p99 gap {fmt(out['p99_gap_over_single_p99_gap'])}, / p50 gap at {args.clients} streams "
+          f"{fmt(out['p99_gap_over_p50_gap'])}; TTFT p50 / single {fmt(out['ttft_p50_over_single'])}", flush=True)
+    return out
+
+
+def prefix_pairs(args, base_url: str, tokenizer) -> dict:
+    """Pairs of requests on an idle server, each pair sharing a prefix of --prefix-tokens tokens:
+    the first prefills it, the second finds it in the prefix cache."""
+    chats = heldout_chat_prompts(tokenizer, 2 * args.prefix_pairs, max_tokens=128)
+    pairs = []
+    for i in range(args.prefix_pairs):
+        prefix = code_tokens(tokenizer, args.prefix_tokens, 500 + i)
+        first, second = (Sent(prefix + chats[2 * i + j], 8, args.temperature, 40000 + 2 * i + j) for j in range(2))
+        for request in (first, second):
+            asyncio.run(run_phase(base_url, "bench", [request], 1, time.perf_counter() + args.time_limit))
+        pairs.append((first.ttft, second.ttft))
+    cold = statistics.median(a for a, _ in pairs)
+    warm = statistics.median(b for _, b in pairs)
+    out = dict(prefix_tokens=args.prefix_tokens, pairs=len(pairs), ttft_first_s=[a for a, _ in pairs],
+               ttft_second_s=[b for _, b in pairs], ttft_first_p50_s=cold, ttft_second_p50_s=warm,
+               speedup=cold / warm if warm else None)
+    print(f"       prefix: {len(pairs)} pairs sharing {args.prefix_tokens} tokens: TTFT p50 {1e3 * cold:.0f} ms first, "
+          f"{1e3 * warm:.0f} ms second ({out['speedup']:.1f}x sooner)", flush=True)
+    return out
 
 
 def plan_departures(requests: list[Sent], args):
@@ -403,7 +518,9 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
     out.update(
         parameters=dict(requests=args.soak, clients=args.soak_clients, max_tokens=args.soak_max_tokens,
                         disconnect_fraction=args.disconnect_fraction,
-                        non_streaming_fraction=args.non_streaming_fraction, soak_seed=args.soak_seed),
+                        non_streaming_fraction=args.non_streaming_fraction, soak_seed=args.soak_seed,
+                        shared_prefixes=args.soak_shared_prefixes),
+        prompt_tokens_by_source=prompt_tokens_by_source(base_url),
         completed=done, sent=len(sent), not_sent=args.soak - len(sent),
         streamed=sum(r.stream for r in sent), non_streamed=sum(not r.stream for r in sent),
         planned_to_leave=sum(r.leave_after_chunks is not None or r.leave_at_fraction is not None for r in sent),
@@ -444,6 +561,20 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
           f"/health after: {health}", flush=True)
     failed = [name for name, ok in checks.items() if not ok]
     print(f"  soak: {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}", flush=True)
+    return out
+
+
+def prompt_tokens_by_source(base_url: str) -> dict | None:
+    """The server's prompt tokens so far, computed and from the prefix cache (GET /metrics)."""
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("specengine:prompt_tokens_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -488,6 +619,10 @@ def soak_markdown(result: dict) -> str:
         f"- {s['sent']} of {s['sent'] + s['not_sent']} requests sent over {s['clients']} clients, "
         f"{s['parameters']['max_tokens']} new tokens at most, T={result['temperature']:g}, each seeded; "
         f"{s['streamed']} streamed, {s['non_streamed']} not",
+        f"- Prompts: held-out chat prompts" + (f" after one of {s['parameters']['shared_prefixes']} shared prefixes "
+                                                 "of mixed lengths" if s['parameters'].get('shared_prefixes') else "")
+        + (f"; prompt tokens by source (server's /metrics, whole run): {s['prompt_tokens_by_source']}"
+           if s.get("prompt_tokens_by_source") else ""),
         f"- Clients going away: {s['parameters']['disconnect_fraction']:g} of them planned (seed "
         f"{s['parameters']['soak_seed']}), a streamed one after 0 to max_tokens / 2 chunks, a non-streamed one "
         "within a request's usual time",

@@ -7,7 +7,7 @@ Held-out requests, batch 1: Hugging Face `generate` on the target (float32, no E
 stops nor forbids it), then specengine on the same device with ignore_eos: speculative (gamma 3)
 and, on CUDA, the ways the engine runs there: speculative and target-only with CUDA graphs,
 speculative reading back every 8 rounds; and the eager PyTorch loop. --pair default: the default
-pair (SmolLM2, converted from its GGUF file; chat prompts); shipped: the pycode pair in the
+pair (SmolLM2's Q4_1 GGUF file as stored; chat prompts); shipped: the pycode pair in the
 package (Hugging Face folders, nothing to fetch: the GPU machine's check; code prompts).
 On CUDA every engine runs the compiled Triton step kernels; a fallback to the torch path is
 recorded and makes the run exit with status 1. Writes bench/results/<label>-<date>.json (label
@@ -20,10 +20,9 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from specengine import Engine, SamplingParams, default_pair
 from specengine.devtools.benchmark import eager_decode
+from specengine.devtools.reference import transformers_model
 
 from common import RESULTS
 
@@ -44,7 +43,7 @@ else:
     from specengine.devtools.corpus import heldout_chat_prompts
 
     target, draft = default_pair()
-hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+hf = transformers_model(target, device=device)
 engines = {"spec": Engine.from_pretrained(target, draft, gamma=3, device=str(device), dtype="float32")}
 if device.type == "cuda":
     engines["spec_graphs"] = Engine.from_pretrained(target, draft, gamma=3, device="cuda", dtype="float32",

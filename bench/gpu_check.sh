@@ -23,26 +23,41 @@
 #                         the idle cores)
 #   warm-graphs           compiles the kernel variants of graphs-widened (a 1-layer    140 s    30-50 s
 #                         widened target, same shapes) so that its timing is not cut
+#   tests-blocks          GGUF block kernels compiled: every weight type against the  140 s    40-80 s
+#                         reference on hostile shapes, a row's bits alone and in any
+#                         batch, no FMA in the dequantization (test_blocks_triton)
+#   tests-stored          tiny Q8_0/Q4_1/Q4_K models on the block and step kernels:    140 s    40-90 s
+#                         logits = torch path's, greedy target-only and speculative
+#                         tokens = torch path's (head_dim 64 and 128), no fallback
+#   warm-stored           step-stored's script on a 2-layer model (same shapes): its   140 s    20-50 s
+#                         kernel variants compiled, and its correctness checks
 #   -- then one at a time, for timings --
 #   verify-bench          verify at B=1 G=4 V=32k (<= 25 us), B=64 G=4 V=128k           25 s    10-15 s
 #                         (<= 2x its memory floor), eager and replayed
 #   step-bench            the 1B target's replayed step against its weight-read         35 s    20-25 s
 #                         floor (<= 1.3x), launches per decoder layer (<= 10)
+#   step-stored           the 1B target stored as Q4_K and as Q8_0 (random blocks):     60 s    20-35 s
+#                         logits against its torch path (prefill, verification, step)
+#                         and its replayed step against the floor of the bytes it holds
+#                         (Q4_K: <= 2x), on the block kernels, no fallback
 #   step-kernels-bench    each step kernel against the torch ops, widened shapes        20 s    10-15 s
 #   graphs-widened        1B target, batch 1 and 8, greedy: target-only and gamma      95 s    45-75 s
 #                         2/3/4 with graphs, read back every round and every 8 rounds
 #                         (same cadence compared); c on each engine's own graphs for
 #                         Theorem 3.8
 #
-# Limits add up to 360 s; with the environment probe, packing and the verdicts, under 6.5 minutes
-# from a cold Triton cache (expected: about 4-4.5 minutes). The estimates come from what each step
+# Limits add up to 420 s; with the environment probe, packing and the verdicts, under 7.5 minutes
+# from a cold Triton cache (expected: about 4.5-5 minutes). The estimates come from what each step
 # compiles and runs. Compiling: 0.2-1.5 s of ptxas for a norm, SiLU, rotary or merge variant,
 # 1-3 s for a bfloat16 split-KV attention variant, 2-9 s for a float32 one, 1.5-4 s for a verify
-# kernel (tests/compile_triton.py, sm_90, on a 2-core Xeon); the tests launch about 65 variants in
-# test_step_kernels.py and about 30 in the verify and sampling tests (their launches recorded in
-# the interpreter), so the side-by-side steps are bound by kernels-step's compiling. Running: the
+# kernel, 0.2-0.5 s for a GGUF block kernel (tests/compile_triton.py, sm_90, on a 2-core Xeon);
+# the tests launch about 65 variants in test_step_kernels.py, about 30 in the verify and sampling
+# tests and about 70 block variants in test_blocks_triton.py (their launches recorded in the
+# interpreter), so the side-by-side steps are bound by kernels-step's compiling. Running: the
 # 2026-11-29 run's figures (a widened-target step of 2.2 ms replayed, 14-20 ms eager; a graph
-# capture about 1 s per bucket and width). Left out as serving no goal: CPU-only tests,
+# capture about 1 s per bucket and width). step-stored builds its models on the GPU (random
+# blocks: a second) and finds its kernels compiled by warm-stored; its torch-path forwards
+# dequantize 1B weights each (tens of ms). Left out as serving no goal: CPU-only tests,
 # torch.compile, eager rows, the other verify shapes and warps, tensor parallelism.
 #
 # Tests run under `timeout -s INT`: pytest stops, reports its failures and writes its junit XML
@@ -175,12 +190,16 @@ launch greedy-vs-hf 140 "$PY" bench/check_greedy_vs_hf.py --pair shipped --devic
 launch warm-graphs 140 "$PY" bench/bench_graphs.py --device cuda --target widened --widened-layers 1 --batches 1 8 \
   --temperatures 0 --gammas 2 3 4 --eager-gammas --no-auto --no-loop --sections e2e --prompts 1 --new-tokens 8 \
   --repeats 1 --out "$WORK/warm-graphs.json"
+pytest_step tests-blocks 140 tests/test_blocks_triton.py
+pytest_step tests-stored 140 tests/test_stored_gpu.py -m gpu
+launch warm-stored 140 "$PY" bench/bench_step_stored.py --device cuda --layers 2 --out "$WORK/warm-stored.json"
 await_steps
 
 # Timings, one at a time.
 step verify-bench 25 "$PY" bench/bench_verify.py --device cuda --goals --impls triton --out "$WORK/verify-gpu.csv"
 step step-bench 35 "$PY" bench/bench_step.py --device cuda --models widened --paths triton --batches 1 \
   --out "$WORK/step-gpu.json"
+step step-stored 60 "$PY" bench/bench_step_stored.py --device cuda --out "$WORK/step-stored-gpu.json"
 step step-kernels-bench 20 "$PY" bench/bench_step_kernels.py --models widened --out "$WORK/step-kernels-gpu.json"
 step graphs-widened 95 "$PY" bench/bench_graphs.py --device cuda --target widened --batches 1 8 --temperatures 0 \
   --gammas 2 3 4 --eager-gammas --no-auto --no-loop --sections e2e --prompts 8 --new-tokens 32 --repeats 3 \

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "blocks.h"
 #include "decoder.h"
 #include "gemm.h"
 #include "layers.h"
@@ -144,10 +145,71 @@ void rms_norm_py(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t R, int64_
   specengine::rms_norm(ptr<const float>(x), ptr<const float>(weight), ptr<float>(out), R, N, static_cast<float>(eps));
 }
 
+// A Matrix from its flat descriptor (specengine/ops/blocks_cpp.py's matrix_descriptor):
+// [in_features, part_count, type0, data0, rows0, type1, data1, rows1, ...], read from the sequence
+// in place (no copy through pybind11's casters): a small product costs only ~10 us.
+specengine::Matrix matrix_from(py::handle descriptor) {
+  PyObject* fast = PySequence_Fast(descriptor.ptr(), "a matrix descriptor must be a sequence of ints");
+  if (fast == nullptr) throw py::error_already_set();
+  py::object owner = py::reinterpret_steal<py::object>(fast);
+  const Py_ssize_t length = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  auto item = [&](Py_ssize_t i) -> int64_t {
+    const long long v = PyLong_AsLongLong(items[i]);
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    return v;
+  };
+  specengine::Matrix m{};
+  if (length < 2) throw std::invalid_argument("matrix descriptor: need [in_features, part_count, ...]");
+  m.in_features = item(0);
+  m.part_count = item(1);
+  if (m.in_features < 0 || m.part_count < 1 || m.part_count > specengine::kMaxMatrixParts ||
+      length != 2 + 3 * m.part_count)
+    throw std::invalid_argument("matrix descriptor: need 1 to 3 parts of (type, data, rows) after in_features");
+  for (int64_t p = 0; p < m.part_count; ++p) {
+    const int64_t type = item(2 + 3 * p), data = item(3 + 3 * p), rows = item(4 + 3 * p);
+    const int64_t weights = specengine::block_weights(type);
+    if (weights == 0 || m.in_features % weights != 0 || rows < 0 || (data == 0 && rows > 0))
+      throw std::invalid_argument("matrix descriptor: part " + std::to_string(p) + " has an unknown type, rows < 0, "
+                                  "no data, or in_features not a whole number of its blocks");
+    m.parts[p] = {static_cast<specengine::WeightType>(type), ptr<const uint8_t>(static_cast<uintptr_t>(data)), rows};
+  }
+  return m;
+}
+
+// Raw data pointers of CPU tensors, validated by specengine/ops/blocks.py (never call directly).
+void linear_blocks_py(uintptr_t x, py::handle matrix, uintptr_t bias, uintptr_t out, int64_t R) {
+  if (R < 0) throw std::invalid_argument("linear_blocks: R must be >= 0");
+  const specengine::Matrix m = matrix_from(matrix);
+  py::gil_scoped_release release;
+  specengine::linear_blocks(ptr<const float>(x), m, ptr<const float>(bias), ptr<float>(out), R);
+}
+
+void dequantize_rows_py(py::handle matrix, int64_t row_begin, int64_t row_end, uintptr_t out) {
+  const specengine::Matrix m = matrix_from(matrix);
+  if (row_begin < 0 || row_end < row_begin || row_end > m.out_features())
+    throw std::invalid_argument("dequantize_rows: need 0 <= row_begin <= row_end <= out_features");
+  py::gil_scoped_release release;
+  specengine::dequantize_rows(m, row_begin, row_end, ptr<float>(out));
+}
+
+void gather_rows_py(py::handle matrix, uintptr_t ids, int64_t count, uintptr_t out) {
+  const specengine::Matrix m = matrix_from(matrix);
+  if (count < 0) throw std::invalid_argument("gather_rows: count must be >= 0");
+  const int64_t* rows = ptr<const int64_t>(ids);
+  const int64_t N = m.out_features();
+  for (int64_t i = 0; i < count; ++i)  // a row past the matrix would be read from past its parts
+    if (rows[i] < 0 || rows[i] >= N)
+      throw std::invalid_argument("gather_rows: id " + std::to_string(rows[i]) + " is outside [0, " +
+                                  std::to_string(N) + ")");
+  py::gil_scoped_release release;
+  specengine::gather_rows(m, ptr<const int64_t>(ids), count, ptr<float>(out));
+}
+
 // Raw data pointers of CPU tensors, validated by specengine/ops/decoder_layer.py (never call directly).
-void decoder_layer_py(uintptr_t x, uintptr_t input_norm, uintptr_t qkv, uintptr_t qkv_bias, uintptr_t q_norm,
-                      uintptr_t k_norm, uintptr_t o, uintptr_t o_bias, uintptr_t post_norm, uintptr_t gate_up,
-                      uintptr_t gate_up_bias, uintptr_t down, uintptr_t down_bias, int64_t hidden, int64_t H,
+void decoder_layer_py(uintptr_t x, uintptr_t input_norm, py::handle qkv, uintptr_t qkv_bias, uintptr_t q_norm,
+                      uintptr_t k_norm, py::handle o, uintptr_t o_bias, uintptr_t post_norm, py::handle gate_up,
+                      uintptr_t gate_up_bias, py::handle down, uintptr_t down_bias, int64_t hidden, int64_t H,
                       int64_t Hkv, int64_t D, int64_t intermediate, double eps, uintptr_t cos, uintptr_t sin,
                       uintptr_t positions, uintptr_t cache_k, uintptr_t cache_v, int64_t B, int64_t T,
                       int64_t capacity, int64_t cache_row_stride, int64_t kv_len, int64_t window) {
@@ -155,11 +217,18 @@ void decoder_layer_py(uintptr_t x, uintptr_t input_norm, uintptr_t qkv, uintptr_
       capacity < 1 || kv_len < 1 || kv_len > capacity || window < 0 || (q_norm == 0) != (k_norm == 0))
     throw std::invalid_argument("decoder_layer: inconsistent sizes");
   const specengine::DecoderLayerWeights weights{
-      ptr<const float>(input_norm), ptr<const uint16_t>(qkv), ptr<const float>(qkv_bias),
-      ptr<const float>(q_norm), ptr<const float>(k_norm), ptr<const uint16_t>(o), ptr<const float>(o_bias),
-      ptr<const float>(post_norm), ptr<const uint16_t>(gate_up), ptr<const float>(gate_up_bias),
-      ptr<const uint16_t>(down), ptr<const float>(down_bias), hidden, H, Hkv, D, intermediate,
+      ptr<const float>(input_norm), matrix_from(qkv), ptr<const float>(qkv_bias),
+      ptr<const float>(q_norm), ptr<const float>(k_norm), matrix_from(o), ptr<const float>(o_bias),
+      ptr<const float>(post_norm), matrix_from(gate_up), ptr<const float>(gate_up_bias),
+      matrix_from(down), ptr<const float>(down_bias), hidden, H, Hkv, D, intermediate,
       static_cast<float>(eps)};
+  // The matrices' shapes, as the layer reads and writes them (a mismatch would reach past them).
+  auto shaped = [](const specengine::Matrix& m, int64_t out, int64_t in) {
+    return m.out_features() == out && m.in_features == in;
+  };
+  if (!shaped(weights.qkv, (H + 2 * Hkv) * D, hidden) || !shaped(weights.o, hidden, H * D) ||
+      !shaped(weights.gate_up, 2 * intermediate, hidden) || !shaped(weights.down, hidden, intermediate))
+    throw std::invalid_argument("decoder_layer: a matrix's shape does not match the layer's sizes");
   const specengine::AttentionStep step{ptr<const float>(cos), ptr<const float>(sin),
                                        ptr<const int64_t>(positions), ptr<float>(cache_k), ptr<float>(cache_v),
                                        B, T, capacity, cache_row_stride, kv_len, window};
@@ -227,6 +296,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear_bf16_weight", &linear_bf16_weight_py,
         "out [R, N] = x [R, K] float32 @ weight [N, K] bfloat16 ^T + bias (use specengine.ops.linear).",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("R"), py::arg("K"), py::arg("N"));
+  m.def("linear_blocks", &linear_blocks_py,
+        "out [R, N] = x [R, K] float32 @ matrix [N, K] (ggml blocks, a descriptor) ^T + bias (use "
+        "specengine.ops.blocks).",
+        py::arg("x"), py::arg("matrix"), py::arg("bias"), py::arg("out"), py::arg("R"));
+  m.def("dequantize_rows", &dequantize_rows_py,
+        "out = the exact float32 weights of rows [row_begin, row_end) of a matrix descriptor (use "
+        "specengine.ops.blocks).",
+        py::arg("matrix"), py::arg("row_begin"), py::arg("row_end"), py::arg("out"));
+  m.def("gather_rows", &gather_rows_py,
+        "out [count, K] = the exact float32 weights of rows ids [count] int64 of a matrix descriptor (use "
+        "specengine.ops.blocks).",
+        py::arg("matrix"), py::arg("ids"), py::arg("count"), py::arg("out"));
   m.def("gemm_bf16_weight_amx", &gemm_bf16_weight_amx_py,
         "out [R, N] = x [R, K] float32 @ weight [N, K] bfloat16 ^T + bias on AMX tiles, for prompt-sized R "
         "(use specengine.ops.linear).",
@@ -246,8 +327,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("cache_row_stride"), py::arg("kv_len"), py::arg("bias_table"), py::arg("out"), py::arg("B"),
         py::arg("T"), py::arg("H"), py::arg("D"));
   m.def("decoder_layer", &decoder_layer_py,
-        "One Llama decoder layer, in place on x [B * T, hidden] float32, bfloat16 matrices (use "
-        "specengine.ops.decoder_layer).",
+        "One Llama decoder layer, in place on x [B * T, hidden] float32, matrices as descriptors of ggml "
+        "blocks (use specengine.ops.decoder_layer).",
         py::arg("x"), py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"),
         py::arg("k_norm"), py::arg("o"), py::arg("o_bias"), py::arg("post_norm"), py::arg("gate_up"),
         py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"), py::arg("hidden"), py::arg("H"),

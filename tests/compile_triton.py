@@ -34,9 +34,10 @@ KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 LIMITS = {90: dict(regs=255, block_regs=65536, shared=232448), 80: dict(regs=255, block_regs=65536, shared=166912)}
 
 STEP_FLOAT32 = {"m_ptr", "l_ptr", "acc_ptr"}  # the attention splits' partials, float32 in any dtype
+MODULES = ("activation", "attention", "norm", "philox", "rotary", "verify", "blocks")  # kernels/*.py
 INT_POINTERS = {"top_k_ptr", "tile_arg_ptr", "state_ptr", "top_k_state_ptr", "top_p_state_ptr", "tokens_ptr",
                 "num_drafts_ptr", "seeds_ptr", "positions_ptr", "decided_ptr", "emitted_ptr", "count_ptr",
-                "target_len_ptr", "draft_len_ptr", "out_ptr_i64"}
+                "target_len_ptr", "draft_len_ptr", "out_ptr_i64", "ids_ptr"}
 
 
 def load_kernels():
@@ -53,7 +54,7 @@ def load_kernels():
         sys.modules["kernels"] = package
         spec.loader.exec_module(package)
     return [importlib.import_module(f"kernels.{name}")
-            for name in ("activation", "attention", "norm", "philox", "rotary", "verify")]
+            for name in MODULES]
 
 
 def signature(fn, constexprs: dict, logits: str) -> dict:
@@ -61,7 +62,7 @@ def signature(fn, constexprs: dict, logits: str) -> dict:
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("target_ptr", "draft_ptr"):
+        elif name in ("target_ptr", "draft_ptr", "w_ptr"):  # w_ptr: a GGUF part's rows (kernels/blocks.py)
             sig[name] = logits
         elif name == "counts_ptr":
             sig[name] = "*i32"
@@ -81,9 +82,10 @@ def signature(fn, constexprs: dict, logits: str) -> dict:
 
 def variants():
     """(kernel module, kernel name, pointer dtype, constexprs): what verify_triton and uniforms_triton
-    launch, and the decode step's kernels at the smallest blocks (tl.dot's minimum) and the largest
-    (a long prompt's query blocks, the most splits, Llama 3 70B's 64 query heads and 8192 features)."""
-    _, attention, _, _, _, verify = load_kernels()
+    launch, the decode step's kernels at the smallest blocks (tl.dot's minimum) and the largest
+    (a long prompt's query blocks, the most splits, Llama 3 70B's 64 query heads and 8192 features),
+    and every launch of ops.blocks_triton: each weight type's products and row lookup."""
+    _, attention, _, _, _, verify, blocks = load_kernels()
     kernels = ["_stats_kernel", "_top_k_kernel", "_top_p_first_kernel", "_top_p_kernel", "_floor_kernel",
                "_decide_kernel", "_sample_kernel"]
     for logits, levels, flags in [("*fp32", 4, (True, False, True, True)), ("*bf16", 2, (False, True, False, False)),
@@ -110,6 +112,21 @@ def variants():
                 num_warps=attention.split_warps(q_rows, D))
         for splits in (16, attention.MAX_SPLITS):
             yield "attention", "_merge_kernel", dtype, dict(D=128, BLOCK_D=128, SPLITS=splits)
+    # GGUF parts as stored: each weight type's products (every tiling blocks.plan picks, by the
+    # activation rows) and row lookup, compiled as launched on a GPU (EXACT: the unfused
+    # inline-PTX dequantization).
+    pointers = {blocks.F32.value: "*fp32", blocks.F16.value: "*fp16", blocks.BF16.value: "*i16"}
+    tilings = {}
+    for R in range(1, 2 * max(blocks.GEMM_ROWS) + 2):
+        p = blocks.plan(R, 4096, 4096)
+        tilings[p["kernel"], p["BLOCK_R"]] = dict(BLOCK_R=p["BLOCK_R"], BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
+    for weight_type in blocks.LAYOUT:
+        w = pointers.get(weight_type, "*u8")
+        for (kernel, _), tiles in tilings.items():
+            yield "blocks", f"_{kernel}_kernel", w, dict(TYPE=weight_type, EXACT=True, **tiles)
+        yield "blocks", "_rows_kernel", w, dict(TYPE=weight_type, BLOCK_IDS=blocks.ROWS_BLOCK_IDS,
+                                                GROUPS=blocks.ROWS_GROUPS, EXACT=True, num_warps=blocks.NUM_WARPS)
+    yield "blocks", "_combine_kernel", "*fp32", dict(BLOCK=blocks.COMBINE_BLOCK, num_warps=blocks.NUM_WARPS)
 
 
 def resources(compiled, arch: int) -> tuple[dict, list[str]]:
@@ -152,7 +169,7 @@ def compile_one(job) -> tuple[str, bool, float]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    module = dict(zip(("activation", "attention", "norm", "philox", "rotary", "verify"), load_kernels()))[module_name]
+    module = dict(zip(MODULES, load_kernels()))[module_name]
     fn = getattr(module, kernel)
     sig = signature(fn, constexprs, dtype)
     if kernel == "_uniforms_kernel":

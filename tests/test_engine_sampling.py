@@ -129,3 +129,27 @@ def test_triton_verify_in_the_loop_gives_the_cpp_tokens(target, draft):
                                                      verify_impl=impl).generate([PROMPT] * 3, params)]
                   for impl in ("cpp", "triton")}
         assert tokens["triton"] == tokens["cpp"]
+
+
+@pytest.fixture(scope="module")
+def stored_pair():
+    """A target and draft whose matrices are kept as a GGUF file stores them (Q4_1 and Q8_0 blocks:
+    rows of 32 weights): the file's own model, at its own precision."""
+    from specengine.devtools.tiny import stored_copy
+
+    target = stored_copy(tiny_model(V, seed=0, hidden_size=32, logit_scale=4.0), "Q4_1")
+    draft = stored_copy(tiny_model(V, seed=3, num_layers=1, hidden_size=32, logit_scale=4.0), "Q8_0")
+    return target, draft
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpp-layers", "torch"])
+def test_speculative_sampling_on_a_quantized_target_matches_its_exact_distribution(backend, stored_pair):
+    target, draft = stored_pair
+    for model in stored_pair:
+        model.use_backend(backend)
+    params = CASES["T=0.7,top_k=3"]
+    engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
+    counts = sample_counts(engine, params, 12_000)
+    assert chi_square_pvalue(counts, exact_distribution(target, params)) > 1e-3
+    assert 0.05 < engine.last_run_stats.acceptance_rate < 0.95

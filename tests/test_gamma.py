@@ -215,7 +215,7 @@ def test_auto_gamma_with_useless_draft_decodes_like_target_only():
 def test_engine_flags_drafting_rounds_after_rounds_without_drafts(monkeypatch):
     """The probes of a useless draft follow rounds at gamma 0: the engine says so, and the
     controller does not learn their (longer) catch-up as drafting overhead; nor the first
-    round's, which feeds the draft model the prompt."""
+    round's, a request's first with the draft model."""
     V = 48
     target = tiny_model(V, seed=0, logit_scale=3.0)
     useless = ModelDrafter(tiny_model(V, seed=7, num_layers=1, hidden_size=16), V, V)
@@ -229,14 +229,14 @@ def test_engine_flags_drafting_rounds_after_rounds_without_drafts(monkeypatch):
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=60, temperature=0))
     gammas = [g for g, _ in seen]
     assert 0 in gammas and any(g > 0 for g in gammas[gammas.index(0):])  # rounds at 0, then a probe
-    # (the first round counts as one: gamma="auto" leaves the draft's prefill to the first proposal)
+    # (the first round counts as one: the request has just joined)
     assert [gap for _, gap in seen] == [previous == 0 for previous in [0] + gammas[:-1]]
 
 
 def test_a_draft_useless_for_earlier_requests_is_never_run_for_a_short_one(monkeypatch):
     """The first requests find the draft useless; later ones start from their alpha and their
-    wait for the next probe, so a request that ends before it never drafts, and the draft model
-    (whose prefill gamma="auto" leaves to the first proposal) never runs."""
+    wait for the next probe, so a request that ends before it never drafts (the draft model's
+    prefill runs with the prompt's, in the same chunks)."""
     V = 48
     target = tiny_model(V, seed=0, logit_scale=3.0)
     draft = tiny_model(V, seed=7, num_layers=1, hidden_size=16)
@@ -249,8 +249,8 @@ def test_a_draft_useless_for_earlier_requests_is_never_run_for_a_short_one(monke
     first_probe = controller.probe_interval(1) << start.unanswered_probes  # rounds at gamma 0 before it
     assert first_probe >= 2 * GammaController.PROBE_EVERY
     calls = []
-    real = draft.forward
-    monkeypatch.setattr(draft, "forward", lambda *args, **kw: (calls.append(1), real(*args, **kw))[1])
+    real = engine.drafter.propose
+    monkeypatch.setattr(engine.drafter, "propose", lambda *args, **kw: (calls.append(1), real(*args, **kw))[1])
     # The wait runs on from the last request: a request that ends before it never drafts.
     assert 0 < start.rounds_without_drafts < first_probe - 1
     short = SamplingParams(max_new_tokens=first_probe - start.rounds_without_drafts - 1, temperature=0)

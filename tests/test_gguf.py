@@ -1,6 +1,7 @@
 """GGUF files: the four architectures and every tensor type the gguf package dequantizes, against
 transformers (the original model for float files, transformers' own GGUF load for quantized
-ones), conversion to a folder, and bad files."""
+ones), with matrices kept as stored on every CPU backend and dequantized on request; conversion
+to a folder, and bad files."""
 import json
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specengine.layers.blocks import BlockEmbedding, BlockLinear, TiedBlockHead
 from specengine.models import CheckpointError, load_model
 from specengine.models.gguf import GGUFError, convert_gguf
 from specengine.devtools.tiny import make_config
@@ -35,8 +37,8 @@ TOKENS = [[3, 17, 250, 9, 9, 42, 101, 7, 0, 299, 5, 64]]
 def tiny_hf(case: str, seed: int = 0, **changes):
     arch, overrides = ARCHS[case]
     # Rows of 256: the K-quants' block length.
-    cfg = make_config(arch, vocab_size=300, hidden_size=256, num_layers=2, intermediate_size=512,
-                      **{"num_heads": 4, "num_kv_heads": 2, **overrides, **changes})
+    cfg = make_config(arch, **{"vocab_size": 300, "hidden_size": 256, "num_layers": 2, "intermediate_size": 512,
+                               "num_heads": 4, "num_kv_heads": 2, **overrides, **changes})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -54,33 +56,46 @@ def our_logits(model, tokens=TOKENS) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", ARCHS)
 def test_float_gguf_runs_the_original_model(case, tmp_path):
-    """llama.cpp's names, its q/k row order and the metadata map back onto the original model."""
+    """llama.cpp's names, its q/k row order and the metadata map back onto the original model,
+    with the F32 matrices kept as stored (the default) and copied into dense ones."""
     hf = tiny_hf(case)
     path = tmp_path / "m.gguf"
     write_gguf(path, hf.config, hf.state_dict(), name=f"{case}-tiny")
-    ours = load_model(path, weight_dtype="float32")
-    assert ours.config.architecture == hf.config.architectures[0]
-    assert ours.config.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
     with torch.no_grad():
         ref = hf(torch.tensor(TOKENS)).logits
-    torch.testing.assert_close(our_logits(ours), ref, atol=2e-5, rtol=1e-4)
+    for weight_dtype in (None, "float32"):
+        ours = load_model(path, weight_dtype=weight_dtype)
+        assert ours.stored_matrices == (weight_dtype is None)
+        assert ours.config.architecture == hf.config.architectures[0]
+        assert ours.config.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
+        torch.testing.assert_close(our_logits(ours), ref, atol=2e-5, rtol=1e-4)
+
+
+BACKENDS = ["torch", "cpp-ops", "cpp-layers"]
 
 
 @pytest.mark.parametrize("types", TYPE_SETS)
 @pytest.mark.parametrize("case", ["llama", "qwen3"])
 def test_quantized_gguf_equals_transformers_gguf_load(case, types, tmp_path):
+    """The file's own model: matrices kept as stored give transformers' float32 load of the file on
+    every CPU backend, to float32 summation error, and so does the dequantized copy."""
     hf = tiny_hf(case, seed=1)
     path = tmp_path / "q.gguf"
     write_gguf(path, hf.config, hf.state_dict(), TYPE_SETS[types], name=f"{case}-tiny")
-    ours = load_model(path, weight_dtype="float32")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = theirs(torch.tensor(TOKENS)).logits
     scale = ref.abs().max().item()
     assert scale > 0.1  # the random blocks gave a model that says something
+    ours = load_model(path)
+    assert ours.backend.name == "cpp-layers"  # the default on a CPU
     # Random K-quant codes make large weights (logits in the hundreds): float32 sums in another
     # order differ by about 1e-5 of that.
-    torch.testing.assert_close(our_logits(ours), ref, atol=2e-5 * scale, rtol=1e-4)
+    for backend in BACKENDS:
+        ours.use_backend(backend)
+        torch.testing.assert_close(our_logits(ours), ref, atol=2e-5 * scale, rtol=1e-4, msg=backend)
+    torch.testing.assert_close(our_logits(load_model(path, weight_dtype="float32")), ref, atol=2e-5 * scale,
+                               rtol=1e-4)
 
 
 def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
@@ -114,12 +129,33 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
         load_model(tmp_path / "bad.gguf")
 
 
-def test_gguf_loads_bfloat16_matrices_by_default_on_cpu(tmp_path):
-    """A GGUF is held as a bfloat16 checkpoint would be (what `specengine convert` writes)."""
+def test_gguf_matrices_are_kept_as_stored_unless_a_weight_dtype_is_asked(tmp_path, caplog):
+    """Each matrix keeps its file type (q, k and v, gate and up, as parts of one packed matrix);
+    the few types without kernels here run dequantized to float32, each named once in the log;
+    a weight_dtype dequantizes everything into dense matrices of that dtype."""
+    import logging
+
     hf = tiny_hf("llama")
     write_gguf(tmp_path / "m.gguf", hf.config, hf.state_dict(), TYPE_SETS["legacy"])
     model = load_model(tmp_path / "m.gguf")
-    assert model.lm_head.weight.dtype == torch.bfloat16 and model.dtype == torch.float32
+    layer = model.model.layers[0]
+    assert [t.name for t in layer.self_attn.qkv_proj.weight_types] == ["Q8_0", "Q4_0", "Q4_1"]
+    assert [t.name for t in layer.mlp.gate_up_proj.weight_types] == ["Q5_1", "F16"]
+    assert [t.name for t in layer.mlp.down_proj.weight_types] == ["BF16"]
+    assert isinstance(model.model.embed_tokens, BlockEmbedding) and isinstance(model.lm_head, BlockLinear)
+    assert model.dtype == torch.float32 and not any(p.dim() > 1 for p in model.parameters())
+    dense = load_model(tmp_path / "m.gguf", weight_dtype="bfloat16")
+    assert dense.lm_head.weight.dtype == torch.bfloat16 and dense.dtype == torch.float32
+
+    hf = tiny_hf("llama-tied")
+    write_gguf(tmp_path / "k.gguf", hf.config, hf.state_dict(), TYPE_SETS["k-quants"])
+    with caplog.at_level(logging.INFO, logger="specengine"):
+        model = load_model(tmp_path / "k.gguf")
+    assert isinstance(model.lm_head, TiedBlockHead) and model.lm_head.matrix is model.model.embed_tokens.matrix
+    assert [t.name for t in model.model.layers[1].self_attn.qkv_proj.weight_types] == ["F32", "F32", "Q4_K"]
+    lines = [r.getMessage() for r in caplog.records if "runs dequantized to float32" in r.getMessage()]
+    assert len(lines) == 4 and any("blk.0.attn_q.weight is Q2_K" in line for line in lines)
+    assert any("blk.1.attn_k.weight is Q3_K" in line for line in lines)
 
 
 # ---- the real file the default pair's target comes from -------------------------------------
@@ -135,13 +171,18 @@ def test_smollm2_gguf_logits_and_greedy_tokens_equal_transformers(smollm2):
     from specengine import Engine, SamplingParams
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
-    ours = load_model(smollm2, weight_dtype="float32")
+    ours = load_model(smollm2)
+    assert ours.stored_matrices and ours.backend.name == "cpp-layers"
     ids = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407]]
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits
-    torch.testing.assert_close(our_logits(ours, ids), ref, atol=1e-3, rtol=1e-4)
+    # Float32 sums in another order: the dense float32 copy's C++ ops differ from transformers by
+    # 9e-5 on these logits of up to 35; the torch path, whose ops are transformers', by 0.
+    for backend in BACKENDS:
+        ours.use_backend(backend)
+        torch.testing.assert_close(our_logits(ours, ids), ref, atol=2e-5 * ref.abs().max().item(), rtol=0, msg=backend)
 
-    engine = Engine.from_pretrained(smollm2, weight_dtype="float32")
+    engine = Engine.from_pretrained(smollm2)
     messages = [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}]
     prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     (result,) = engine.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
@@ -163,7 +204,9 @@ def test_convert_writes_a_folder_that_loads_as_the_gguf_does(smollm2, tmp_path):
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
         assert "lm_head.weight" not in f.keys()
     ids = [[1, 9690, 198, 2683, 359, 253]]
-    torch.testing.assert_close(our_logits(load_model(out), ids), our_logits(load_model(smollm2), ids), atol=0, rtol=0)
+    # The folder holds the file's matrices rounded to bfloat16, as the file dequantized into bfloat16 does.
+    torch.testing.assert_close(our_logits(load_model(out), ids), our_logits(load_model(smollm2, weight_dtype="bfloat16"),
+                                                                          ids), atol=0, rtol=0)
     from specengine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(out)
@@ -181,11 +224,12 @@ def test_convert_cli(smollm2, tmp_path, capsys):
     assert main(["convert", str(tmp_path / "missing.gguf"), str(tmp_path / "out2")]) == 2
     assert "missing.gguf does not exist" in capsys.readouterr().err
     assert not (tmp_path / "out2").exists()
-    # generate straight from the file, and from the folder it became: the same greedy tokens
+    # generate straight from the file dequantized into bfloat16, and from the folder it became:
+    # the same greedy tokens
     runs = []
     for target in (smollm2, tmp_path / "out"):
         assert main(["generate", "--target", str(target), "--prompt", "def add(a, b):", "--temperature", "0",
-                     "--max-new-tokens", "6", "--json"]) == 0
+                     "--max-new-tokens", "6", "--json", "--weight-dtype", "bfloat16"]) == 0
         runs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert runs[0] == runs[1] and len(runs[0]) == 6
 
@@ -252,7 +296,8 @@ def test_unsupported_gguf_tensor_type(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GGUFError, match="blk.0.ffn_up.weight has type Q8_K, which the gguf package cannot dequantize"):
+    with pytest.raises(GGUFError, match="blk.0.ffn_up.weight has type Q8_K, which neither this engine nor the gguf "
+                                        "package can dequantize"):
         load_model(tmp_path / "t2.gguf")
 
 
@@ -268,3 +313,73 @@ def test_truncated_safetensors_names_the_file(checkpoint, tmp_path):
     weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(CheckpointError, match=r"model.safetensors is not a readable safetensors file"):
         load_model(folder)
+
+
+@pytest.mark.parametrize("types", TYPE_SETS)
+def test_speculation_on_a_quantized_gguf_target_is_its_greedy_decoding(types, tmp_path):
+    """Greedy speculative decoding of a quantized file (drafted by a smaller quantized file, and by
+    n-grams) gives the tokens of target-only decoding and of transformers' generate on the file."""
+    from specengine import Engine, SamplingParams
+    from specengine.drafters.model import ModelDrafter
+    from specengine.drafters.ngram import NgramDrafter
+
+    hf = tiny_hf("llama", seed=2)
+    write_gguf(tmp_path / "t.gguf", hf.config, hf.state_dict(), TYPE_SETS[types])
+    # The draft: the target's own weights in Q8_0, so that many of its drafts are accepted.
+    write_gguf(tmp_path / "d.gguf", hf.config, hf.state_dict(), {"": "Q8_0"})
+    target, draft = load_model(tmp_path / "t.gguf"), load_model(tmp_path / "d.gguf")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="t.gguf", dtype=torch.float32).eval()
+    theirs.generation_config.eos_token_id = None  # decode through end-of-text, as ignore_eos does
+    prompts = [TOKENS[0], TOKENS[0][:5] * 3]
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    base = [r.token_ids for r in Engine(target).generate(prompts, params)]
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, base):
+            expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
+            assert tokens == expected.tolist()
+    V = target.config.vocab_size
+    for drafter in (ModelDrafter(draft, V, V), NgramDrafter()):
+        engine = Engine(target, drafter=drafter, gamma=3)
+        assert [r.token_ids for r in engine.generate(prompts, params)] == base
+        if isinstance(drafter, ModelDrafter):  # its drafts were really tested, and some passed
+            assert engine.last_run_stats.accepted > 0
+
+
+# ---- files llama.cpp's quantizer wrote (tests/data/gguf) ------------------------------------
+
+def _committed_files():
+    from gguf_util import GGUF_FILES_DIR
+
+    return sorted(p.name for p in GGUF_FILES_DIR.glob("*.gguf"))
+
+
+@pytest.mark.parametrize("name", _committed_files())
+def test_llama_cpp_quantized_files_run_as_stored(name):
+    """Every weight type as llama.cpp's own quantizer writes it: each matrix kept in its file type,
+    logits equal to transformers' float32 load of the file on every CPU backend, and greedy tokens
+    equal to its generate (speculation drafted by n-grams included)."""
+    from specengine import Engine, SamplingParams
+    from specengine.drafters.ngram import NgramDrafter
+    from gguf_util import gguf_file, tensor_types
+    from specengine.tokenizer import load_tokenizer
+
+    path = gguf_file(name)
+    ours = load_model(path)
+    stored = {t.name for m in ours.modules() for t in getattr(m, "weight_types", ())}
+    assert stored == {t for n, t in tensor_types(path).items() if not n.endswith("norm.weight")}
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=name, dtype=torch.float32).eval()
+    theirs.generation_config.eos_token_id = None
+    ids = load_tokenizer(path)("def add(a, b):\n    return a + b")["input_ids"]
+    with torch.no_grad():
+        ref = theirs(torch.tensor([ids])).logits
+    scale = ref.abs().max().item()
+    for backend in BACKENDS:
+        ours.use_backend(backend)
+        torch.testing.assert_close(our_logits(ours, [ids]), ref, atol=2e-5 * scale, rtol=1e-4, msg=backend)
+    ours.use_backend()
+    with torch.no_grad():
+        expected = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    for drafter in (None, NgramDrafter()):
+        (result,) = Engine(ours, drafter=drafter, gamma=3).generate([ids], params)
+        assert result.token_ids == expected

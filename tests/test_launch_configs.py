@@ -5,19 +5,23 @@ or third dimension over 65535, a block that is not a power of two or holds more 
 elements. Here the host wrappers run on meta tensors (nothing is computed, nothing allocated)
 with each kernel's launch recorded instead of run, for the shapes the engine produces: the model
 architectures' head sizes and groups, batches up to 256, steps of 1 to max_gamma + 1 = 65 tokens
-and prompts up to the context, the verify kernel's rounds over vocabularies up to 256k.
+and prompts up to the context, the verify kernel's rounds over vocabularies up to 256k, and the
+products and lookups of GGUF matrices as stored (kernels/blocks.py) in every weight type.
 """
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from specengine.kernels import activation, attention, norm, philox, rotary, verify
+from specengine.kernels import activation, attention, blocks, norm, philox, rotary, verify
 from specengine.models.config import ModelConfig, RopeConfig
 from specengine.models.llama import LlamaForCausalLM
+from specengine.ops.blocks import BLOCK_LAYOUT, BlockMatrix, MatrixPart, WeightType, row_bytes
+from specengine.ops.blocks_triton import embedding_rows_triton, linear_blocks_triton
 
-KERNEL_MODULES = (activation, attention, norm, philox, rotary, verify)
+KERNEL_MODULES = (activation, attention, blocks, norm, philox, rotary, verify)
 MAX_GRID = (2**31 - 1, 65535, 65535)   # CUDA's grid limits: x, y, z
 MAX_NUMEL = 2**20                       # Triton's largest block (TRITON_MAX_TENSOR_NUMEL)
 MIN_DOT = 16                            # tl.dot's smallest M, N and K, compiled
@@ -38,9 +42,14 @@ BLOCKS = {
     "_floor_kernel": [("BLOCK",), ("TILES", "NUM_BINS")],
     "_decide_kernel": [("BLOCK",), ("TILES",)],
     "_sample_kernel": [("BLOCK",), ("TILES",)],
+    "_gemv_kernel": [("BLOCK_R", "BLOCK_N", 32)],
+    "_gemm_kernel": [("BLOCK_R", 32), ("BLOCK_N", 32), ("BLOCK_R", "BLOCK_N")],
+    "_combine_kernel": [("BLOCK",)],
+    "_rows_kernel": [("BLOCK_IDS", 32)],
 }
 # Each tl.dot as (M, N, K) of launch arguments: q @ k^T and p @ v of the split kernel.
-DOTS = {"_split_kernel": [("Q_ROWS", "BLOCK_N", "BLOCK_D"), ("Q_ROWS", "BLOCK_D", "BLOCK_N")]}
+DOTS = {"_split_kernel": [("Q_ROWS", "BLOCK_N", "BLOCK_D"), ("Q_ROWS", "BLOCK_D", "BLOCK_N")],
+        "_gemm_kernel": [("BLOCK_R", "BLOCK_N", 32)]}  # activations [BLOCK_R, 32] @ a dequantized group [32, BLOCK_N]
 
 # Model shapes the engine runs (hidden, intermediate, heads, kv heads, head_dim, context,
 # sliding window, q/k norms): the shipped pair, SmolLM2 and its draft, the widened 1B target,
@@ -189,6 +198,58 @@ def test_every_verify_and_uniforms_launch_fits_the_compiled_backend(dtype, filte
     assert {"_stats_kernel", "_decide_kernel", "_sample_kernel", "_uniforms_kernel"} <= kernels
     assert filters == ("_top_k_kernel" in kernels)
     check(launches)
+
+
+def gguf_matrix(parts: list[tuple[WeightType, int]], K: int) -> BlockMatrix:
+    return BlockMatrix(tuple(MatrixPart(t, torch.empty(rows, row_bytes(t, K), dtype=torch.uint8, device="meta"))
+                             for t, rows in parts))
+
+
+def compiled_block_variants() -> set:
+    """(kernel, constexprs but EXACT) of the kernels/blocks.py variants tests/compile_triton.py compiles."""
+    from compile_triton import variants
+
+    return {(kernel, frozenset((k, v) for k, v in constexprs.items() if k != "EXACT"))
+            for module, kernel, _, constexprs in variants() if module == "blocks"}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_every_gguf_product_and_lookup_fits_the_compiled_backend(name):
+    """GGUF matrices as stored (ops.blocks_triton): the packed q/k/v (Q4_K_M's Q4_K, Q4_K and Q6_K
+    parts where the rows are whole K-quant blocks), gate/up, down and a 128k vocabulary in each
+    weight type whose blocks fit, for every step, verification and prompt size; and lookups. Each
+    launch is also one of the variants that compile_triton.py compiles."""
+    hidden, inter, heads, kv_heads, head_dim, context, _, _ = ARCHITECTURES[name]
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = [([q, kv, kv], hidden), ([2 * inter], hidden), ([hidden], inter), ([128256], hidden)]
+    calls = sorted({(B, T) for B in BATCHES for T in STEP_TOKENS} | {(1, 1000), (8, 777), (1, context),
+                                                                     (4, min(context, 8192))})
+    launches = []
+    for out_rows, K in shapes:
+        fitting = [t for t in WeightType if K % BLOCK_LAYOUT[t][0] == 0]
+        mixes = [[(t, n) for n in out_rows] for t in fitting]
+        if WeightType.Q4_K in fitting and len(out_rows) == 3:
+            q4k, q6k = WeightType.Q4_K, WeightType.Q6_K
+            mixes.append([(q4k, out_rows[0]), (q4k, out_rows[1]), (q6k, out_rows[2])])
+        for parts in mixes:
+            matrix = gguf_matrix(parts, K)
+            bias = torch.empty(matrix.out_features, device="meta")
+
+            def run():
+                for B, T in calls:  # [B, T, K]: the kernel follows tokens per row (kernels.blocks.plan)
+                    linear_blocks_triton(torch.empty(B, T, K, device="meta"), matrix, bias)
+                embedding_rows_triton(matrix, torch.empty(8, 777, dtype=torch.int64, device="meta"))
+                embedding_rows_triton(matrix, torch.empty(1, dtype=torch.int64, device="meta"))
+            launches += launches_of(run)
+    kernels = {k for k, _, _ in launches}
+    assert kernels == {"_gemv_kernel", "_gemm_kernel", "_combine_kernel", "_rows_kernel"}, kernels
+    check(launches)
+    compiled = compiled_block_variants()
+    for kernel, _, args in launches:
+        params = inspect.signature(getattr(blocks, kernel).fn).parameters
+        constexprs = {k: v for k, v in args.items() if k == "num_warps"
+                      or (k in params and k != "EXACT" and "constexpr" in str(params[k].annotation))}
+        assert (kernel, frozenset(constexprs.items())) in compiled, (kernel, constexprs)
 
 
 def test_the_check_catches_what_the_interpreter_hides():

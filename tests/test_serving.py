@@ -507,13 +507,13 @@ def test_a_failed_prefill_ends_only_the_joiners(models, monkeypatch):
     engine.add_request(PROMPTS[1], params(1), "runs")
     first = engine.step()
     engine.add_request(PROMPTS[3], params(3), "joins")
-    real = batch.append_prompts
+    real = batch.prefill_chunks
 
-    def broken(model, cache, prompts, sources=None):
-        real(model, cache, prompts, sources)  # rows appended, then the failure
+    def broken(*args):
+        real(*args)  # rows fed, then the failure
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(batch, "append_prompts", broken)
+    monkeypatch.setattr(batch, "prefill_chunks", broken)
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.step()
     monkeypatch.undo()

@@ -1,8 +1,9 @@
 """The suffix drafter (suffix decoding): its trees (counts and structure against brute force,
 removal oldest first), its drafts from a row's own tokens and from earlier outputs, the global
-tree's budget, nothing proposed where nothing matches; in the engine: greedy output identical to
-target-only (fixed gamma, gamma="auto", batches with joins and aborts, T5), the exact sampling
-distribution, and a recurring request drafted from the first one's output."""
+tree's budget (an option of Engine.from_pretrained, the command line and serve), nothing proposed
+where nothing matches; in the engine: greedy output identical to target-only (fixed gamma,
+gamma="auto", batches with joins and aborts, T5), the exact sampling distribution, and a recurring
+request drafted from the first one's output."""
 import random
 
 import pytest
@@ -301,6 +302,66 @@ def test_cli_generates_with_the_suffix_drafter(text_pair, capsys):
     assert main([*args, "--drafter", "suffix"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == want and out["stats"]["draft_calls"] == 0
+
+
+def test_the_global_budget_is_an_option_of_from_pretrained(text_pair):
+    target, _ = text_pair
+    assert Engine.from_pretrained(target, drafter="suffix").drafter.max_global_tokens == 1 << 18  # the default
+    engine = Engine.from_pretrained(target, drafter="suffix", suffix_max_global_tokens=0, gamma=3)
+    assert engine.drafter.max_global_tokens == 0
+    engine.generate(["def f(x):", "class A:"], GREEDY)
+    assert len(engine.drafter.global_tree) == 0  # no outputs kept: no global tree
+    engine = Engine.from_pretrained(target, drafter="suffix", suffix_max_global_tokens=10, gamma=3)
+    engine.generate(["def f(x):", "class A:"], GREEDY)
+    assert 0 < len(engine.drafter.global_tree) <= 10
+    # Refused before anything loads (no such folder).
+    with pytest.raises(ValueError, match="suffix_max_global_tokens is an option of drafter='suffix', not 'ngram'"):
+        Engine.from_pretrained("target-folder", drafter="ngram", suffix_max_global_tokens=5)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match=rf"suffix_max_global_tokens must be an integer >= 0 .*got {bad!r}"):
+            Engine.from_pretrained("target-folder", drafter="suffix", suffix_max_global_tokens=bad)
+
+
+def test_the_global_budget_is_a_cli_option(text_pair, capsys):
+    import json
+
+    from specengine.cli import build_parser, main
+
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        assert build_parser().parse_args(command).suffix_max_global_tokens is None
+        assert build_parser().parse_args([*command, "--suffix-max-global-tokens", "5"]).suffix_max_global_tokens == 5
+    target, _ = text_pair
+    args = ["generate", "--target", str(target), "--prompt", "def f(x):", "--temperature", "0", "--max-new-tokens",
+            "8", "--gamma", "3", "--json"]
+    assert main(args) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*args, "--drafter", "suffix", "--suffix-max-global-tokens", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    for extra, message in ((["--suffix-max-global-tokens", "5"], "--suffix-max-global-tokens is an option of "
+                                                                 "--drafter suffix, not model"),
+                           (["--drafter", "suffix", "--suffix-max-global-tokens", "-1"],
+                            "--suffix-max-global-tokens must be >= 0, got -1")):
+        assert main([*args, *extra]) == 2
+        assert capsys.readouterr().err == f"specengine: error: {message}\n"
+
+
+def test_serve_passes_the_global_budget_and_refuses_it_without_the_suffix_drafter(text_pair, capsys, monkeypatch):
+    from specengine.cli import main
+    from test_cli_startup import free_port
+
+    loads = []
+
+    def no_load(*args, **kwargs):
+        loads.append(kwargs)
+        raise ValueError("not loaded in this test")
+
+    monkeypatch.setattr(Engine, "from_pretrained", no_load)
+    serve = ["serve", "--target", str(text_pair[0]), "--port", str(free_port()), "--suffix-max-global-tokens", "7"]
+    assert main(serve) == 2 and not loads  # refused before loading
+    assert capsys.readouterr().err.startswith("specengine: error: --suffix-max-global-tokens is an option of "
+                                              "--drafter suffix, not model\n")
+    assert main([*serve, "--drafter", "suffix"]) == 2
+    assert [(kw["drafter"], kw["suffix_max_global_tokens"]) for kw in loads] == [("suffix", 7)]
 
 
 @pytest.mark.slow

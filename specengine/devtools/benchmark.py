@@ -302,14 +302,13 @@ class Models:
 
 
 def load(options: BenchOptions) -> Models:
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from .reference import transformers_model
 
     engine = Engine.from_pretrained(options.target)
     target, tokenizer = engine.target, engine.tokenizer
     draft = load_model(options.draft)  # a draft folder may lack tokenizer files (it uses the target's)
-    hf_class = AutoModelForSeq2SeqLM if target.is_encoder_decoder else AutoModelForCausalLM
-    hf = hf_class.from_pretrained(options.target, dtype=torch.float32).eval()
-    hf_draft = hf_class.from_pretrained(options.draft, dtype=torch.float32).eval()
+    hf = transformers_model(options.target, target.is_encoder_decoder)
+    hf_draft = transformers_model(options.draft, target.is_encoder_decoder)
     if getattr(tokenizer, "chat_template", None):
         prompts = heldout_chat_prompts(tokenizer, options.prompts, max_tokens=256)
     else:

@@ -140,3 +140,58 @@ def save_random_t5_checkpoint(folder: str | Path, config, tokenizer=None, seed: 
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return folder
+
+
+# Where each K-quant block keeps its float16 scales (ggml's block_q*_K structs): the gguf package
+# cannot quantize to these types, so their blocks are random codes under sane scales.
+_K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def blocks_of(weights: torch.Tensor, weight_type: str, seed: int = 0) -> torch.Tensor:
+    """A float matrix [N, K] in a GGUF weight type's bytes, uint8 [N, row_bytes]: quantized by the
+    gguf package where it can (floats and the legacy block types), else (the K-quants) random
+    blocks whose scales give weights of about the matrix's size (their values then are not it)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    qtype = gguf.GGMLQuantizationType[weight_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if weights.dim() != 2 or weights.shape[1] % block:
+        raise ValueError(f"{weight_type} rows are blocks of {block} weights; a matrix {list(weights.shape)} is not")
+    w = weights.detach().float().numpy()
+    if weight_type == "F32":
+        return torch.from_numpy(np.ascontiguousarray(w).view(np.uint8).copy())
+    if weight_type == "F16":
+        return torch.from_numpy(w.astype(np.float16).view(np.uint8).copy())
+    if weight_type in _K_SCALE_OFFSETS:
+        rng = np.random.default_rng(seed)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        rows, blocks = w.shape[0], w.shape[1] // block
+        data = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+        scale = float(np.abs(w).mean()) / 16 + 1e-6
+        for offset in _K_SCALE_OFFSETS[weight_type]:
+            scales = rng.uniform(0.2 * scale, scale, size=(rows, blocks)).astype(np.float16)
+            data[:, :, offset: offset + 2] = scales.view(np.uint8).reshape(rows, blocks, 2)
+        return torch.from_numpy(data.reshape(rows, -1))
+    return torch.from_numpy(np.ascontiguousarray(quantize(np.ascontiguousarray(w), qtype)))
+
+
+def stored_copy(model, weight_type: str, seed: int = 0):
+    """A copy of a dense LlamaForCausalLM whose matrices are kept in `weight_type` as a GGUF file
+    would store them (models.llama's stored_matrices; see blocks_of for the K-quants), float32
+    compute, on the CPU and its default backend."""
+    from ..models.llama import LlamaForCausalLM
+    from ..ops.blocks import MatrixPart, WeightType
+
+    stored = LlamaForCausalLM(model.config, stored_matrices=True)
+    dense = model.checkpoint_tensors()
+    modules = dict(stored.named_modules())
+    for i, (module_name, names) in enumerate(stored.stored_matrix_sources().items()):
+        parts = [MatrixPart(WeightType[weight_type], blocks_of(dense[n], weight_type, seed + i)) for n in names]
+        modules[module_name].set_parts(parts)
+    with torch.no_grad():
+        for name, tensor in stored.checkpoint_tensors().items():
+            tensor.copy_(dense[name].float())
+    stored.use_backend()
+    return stored.eval().requires_grad_(False)

@@ -9,6 +9,7 @@ import torch
 from ..sampling.batch import SamplingBatch
 
 if TYPE_CHECKING:  # annotations only
+    from ..layers.kv_cache import StaticKVCache
     from ..steps.graphs import FixedShapeSteps
     from ..models.loader import Model
 
@@ -43,6 +44,19 @@ class Drafter(Protocol):
         target, each row's encoder input (the prompts are then the decoder's start); a drafter
         reads it as it needs (a draft model encodes it, the n-gram drafter copies from it)."""
         ...
+
+    def staged_cache(self, capacity: int) -> "StaticKVCache | None":
+        """The draft model's cache, where the engine stages and prefills the rows of joining requests
+        (a chunk a step, the target's chunks; from the prefix cache) before they join (join_rows),
+        made on first use for contexts of `capacity` tokens. None (the default): the drafter has no
+        such cache, and prefills what it needs itself when rows join."""
+        return None
+
+    def join_rows(self, prompts: list[list[int]], capacity: int, sources: list[list[int]] | None = None) -> None:
+        """Requests whose prefill is done join the rows in flight, after them. With a staged_cache,
+        their staged rows there already became rows in use, holding all but each prompt's last token
+        (and the encoder input's entries, with sources). Default: add_rows, prefilling them."""
+        self.add_rows(prompts, capacity, True, sources)
 
     def reserve(self, capacity: int) -> None:
         """Room for contexts of `capacity` tokens in every row (the target's cache grew)."""

@@ -41,6 +41,18 @@ class ModelDrafter(Drafter):
         append_prompts(self.model, self.cache, prompts, sources, prefill)
         self.fed += [len(p) - 1 if prefill else 0 for p in prompts]
 
+    def staged_cache(self, capacity: int):
+        if self.cache is None:
+            if self.steps is not None:
+                self.cache = self.steps.new_batch(0)
+            else:
+                self.cache = self.model.new_cache(1, capacity)
+                self.cache.reset(0)
+        return self.cache
+
+    def join_rows(self, prompts: list[list[int]], capacity: int, sources: list[list[int]] | None = None):
+        self.fed += [len(p) - 1 for p in prompts]  # the engine prefilled the rows (staged_cache)
+
     def reserve(self, capacity: int):
         if self.cache is not None:
             self.cache.reserve(self.cache.allocated_rows, capacity)

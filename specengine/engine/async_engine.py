@@ -183,11 +183,12 @@ class AsyncEngine:
                 outputs = []
             self.steps += 1
             self._deliver(outputs)
-            if not outputs and not engine.has_pending_outputs():
-                # The step did nothing (every step reports each running request): stepping again
-                # at once would spin a core. Wait for add_request or abort instead. Requests left
-                # unfinished although none runs or waits (an engine bug) are ended, so that their
-                # readers get an answer rather than wait forever.
+            if not outputs and not engine.has_pending_outputs() and engine.num_running == 0:
+                # The step did nothing (every step reports each decoding request; requests being
+                # prefilled count as running): stepping again at once would spin a core. Wait for
+                # add_request or abort instead. Requests left unfinished although none runs or
+                # waits (an engine bug) are ended, so that their readers get an answer rather than
+                # wait forever.
                 stuck = set(engine.unfinished_request_ids) if engine.num_running == 0 and engine.num_waiting == 0 else set()
                 if stuck - stuck_reported:
                     log.error("requests %s are unfinished but neither running nor waiting; aborting them",

@@ -1,54 +1,246 @@
-"""The requests decoding now: one row each in the target's cache and the drafter's, in order.
+"""The requests holding rows: those decoding (one row each in the target's cache and the draft
+model's, in order) and, after them, those joining, whose prompts are being prefilled.
 
-Requests join at round boundaries (admit: their rows are appended and prefilled) and leave when
-they finish or are aborted (keep: the other rows move to the front). A row's cache holds its
-sequence but the last token, which the next round feeds.
+A joining request gets a staged row in each cache (layers.kv_cache) when it is admitted (stage):
+the prompt's longest prefix of blocks found in the prefix cache is copied into it. Each step then
+prefills a chunk of the rest (prefill: a budget of tokens a step, the oldest request first), the
+draft model in the same chunks; a request whose prefill is done joins the rows in use, and the
+next round decodes it. A row's cache holds its sequence but the last token, which the next round
+feeds. Requests leave when they finish or are aborted (keep: the other rows move to the front;
+drop_joining for requests still joining).
+
+With an encoder-decoder target (T5) the prefill is the encoders' pass over the prompt, which
+attends both ways and so cannot be cut by tokens: it is cut by encoder blocks instead (a block
+over S tokens counts as S / blocks tokens of the budget), the draft's encoder keeping pace.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 from ..drafters.base import Drafter
 from ..layers.kv_cache import StaticKVCache
 from ..sampling.batch import SamplingBatch
+from ..steps.feed import prefill_chunks
 from ..steps.graphs import FixedShapeSteps
+from .prefill_budget import CHUNK
+from .prefix_cache import BLOCK, PrefixCache, block_keys
 from .request import Request
-from ..steps.feed import append_prompts
+
+
+@dataclass(eq=False)
+class Joining:
+    """A request in a staged row: its prompt being prefilled."""
+    request: Request
+    prefill: list[int]          # what its rows are to hold: the sequence's start but its last token
+    done: int = 0               # tokens of it in its rows (from the prefix cache, then prefilled)
+    keys: list[bytes] = field(default_factory=list)  # prefix cache keys of its full blocks
+    stored: int = 0             # of those blocks, how many the prefix cache has had from it
+    encoders: list | None = None  # encoder-decoder: each model's encoder run (models.t5.EncoderRun)
+    encoded: bool = True        # its encoders have run and written the cross-attention entries
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.prefill) and self.encoded
 
 
 class RunningBatch:
     def __init__(self, target, drafter: Drafter | None, target_steps: FixedShapeSteps | None,
-                 max_seq_len: int):
+                 max_seq_len: int, prefix_cache: PrefixCache | None = None):
         """target_steps: the persistent cache of fixed-shape steps (rows and capacity fixed), or None
         for a cache that grows as requests join."""
         self.target, self.drafter, self.max_seq_len = target, drafter, max_seq_len
-        self.requests: list[Request] = []
+        self.prefix_cache = prefix_cache
+        self.requests: list[Request] = []    # decoding, by row
+        self.joining: list[Joining] = []     # prefilling, by staged row
         self.cache: StaticKVCache | None = target_steps.new_batch(0) if target_steps is not None else None
+        self.draft_cache: StaticKVCache | None = None  # the drafter's staged_cache, once rows were staged
         self.sampling: SamplingBatch | None = None  # the rows' sampling parameters, None without rows
 
     def __len__(self) -> int:
         return len(self.requests)
 
-    def admit(self, requests: list[Request], prefill_draft: bool = True):
-        """Append a row per request and prefill it. prefill_draft=False leaves the draft model's
-        prefill to the request's first drafting round (gamma="auto" may never draft for it)."""
-        rows = len(self.requests) + len(requests)
+    @property
+    def rows_held(self) -> int:
+        return len(self.requests) + len(self.joining)
+
+    def _models(self) -> list[tuple[object, StaticKVCache]]:
+        """The models whose caches hold staged rows, with those caches: the target, the draft model."""
+        pairs = [(self.target, self.cache)] if self.cache is not None else []
+        if self.draft_cache is not None:
+            pairs.append((self.drafter.model, self.draft_cache))
+        return pairs
+
+    # ---- joining: staged rows, prefilled a chunk a step -----------------------------------------
+
+    def stage(self, requests: list[Request]):
+        """Give each request a staged row in every cache, holding what the prefix cache has of its prompt."""
+        rows = self.rows_held + len(requests)
         need = max(len(r.sequence_start) for r in requests) + self.HEADROOM
         if self.cache is None:
             self.cache = self.target.new_cache(rows, min(need, self.max_seq_len))
             self.cache.reset(0)
         else:  # one reallocation at most, for rows and positions both
             self.cache.reserve(rows, self._grown_capacity(need))
-        # Rows are appended by prompt length, for prefill (and encoder) calls over prompts of
-        # similar length (row order does not matter: seeded rows sample alike anywhere).
+        if self.drafter is not None and self.draft_cache is None:
+            self.draft_cache = self.drafter.staged_cache(self.cache.capacity)
+        encoder_decoder = self.target.is_encoder_decoder
+        for model, cache in self._models():
+            cache.reserve(rows, self.cache.capacity)
+            if encoder_decoder:
+                cache.reserve_source(max(len(r.source) for r in requests))
+        # Requests admitted together take rows by prompt length: the shorter join sooner, and
+        # chunks of similar length share prefill calls (row order does not matter: seeded rows
+        # sample alike anywhere).
         requests = sorted(requests, key=lambda r: len(r.prompt_token_ids))
-        prompts = [r.sequence_start for r in requests]
-        sources = [r.source for r in requests] if self.target.is_encoder_decoder else None
-        append_prompts(self.target, self.cache, prompts, sources)
+        joining = [Joining(r, r.sequence_start[:-1]) for r in requests]
+        for model, cache in self._models():
+            cache.stage_rows(len(requests))
+        self.joining += joining
+        for j in joining:
+            if encoder_decoder:
+                j.encoders = [model.start_encoding([j.request.source]) for model, _ in self._models()]
+                j.encoded = False
+            elif self.prefix_cache is not None:
+                self._from_prefix_cache(j)
+
+    def _from_prefix_cache(self, j: Joining):
+        j.keys = block_keys(j.prefill)
+        blocks = self.prefix_cache.match(j.keys, j.prefill)
+        if not blocks:
+            return
+        staged = self.joining.index(j)
+        for c, (_, cache) in enumerate(self._models()):
+            row = cache.staged_view(staged, 1)
+            for i, block in enumerate(blocks):
+                k, v = block.kv[c]
+                row.k[:, 0, i * BLOCK:(i + 1) * BLOCK] = k
+                row.v[:, 0, i * BLOCK:(i + 1) * BLOCK] = v
+        j.stored = len(blocks)
+        j.done = j.request.stats.cached_prompt_tokens = len(blocks) * BLOCK
+
+    def prefill(self, budget: int | None) -> tuple[list[Request], int]:
+        """Prefill the joining requests, the oldest first, up to `budget` prompt tokens (None: no
+        limit); those whose prefill is done join the rows in use. Returns them and the tokens prefilled."""
+        if self.target.is_encoder_decoder:
+            spent = self._encode(budget)
+        else:
+            spent = self._feed(budget)
+        finished = [i for i, j in enumerate(self.joining) if j.finished]
+        if not finished:
+            return [], spent
+        joined = [self.joining[i] for i in finished]
+        for _, cache in self._models():  # their lengths as prefilled (see prefill_chunks)
+            for i, j in zip(finished, joined):
+                cache.staged_view(i, 1).lengths.fill_(len(j.prefill))
+            cache.promote(finished)
+        self.joining = [j for j in self.joining if not j.finished]
+        requests = [j.request for j in joined]
         if self.drafter is not None:
-            self.drafter.add_rows(prompts, self.cache.capacity, prefill=prefill_draft, sources=sources)
-        for r in requests:
-            r.stats.target_calls += len(r.sequence_start) > 1 or sources is not None
+            sources = [r.source for r in requests] if self.target.is_encoder_decoder else None
+            self.drafter.join_rows([r.sequence_start for r in requests], self.cache.capacity, sources)
         self.requests += requests
         self._sampling()
+        return requests, spent
+
+    def _feed(self, budget: int | None) -> int:
+        """One step's chunks of the decoder-only prompts: the oldest request first, each chunk
+        ending at a multiple of CHUNK tokens or at the prompt's end."""
+        work: list[tuple[int, Joining, int]] = []  # (staged row, request, tokens)
+        left = budget
+        for i, j in enumerate(self.joining):
+            rest = len(j.prefill) - j.done
+            if rest == 0:
+                continue
+            n = rest if left is None or rest <= left else (j.done + left) // CHUNK * CHUNK - j.done
+            if n <= 0:
+                break
+            work.append((i, j, n))
+            if left is not None:
+                left -= n
+        if not work:
+            return 0
+        rows, done = [i for i, _, _ in work], [j.done for _, j, _ in work]
+        chunks = [j.prefill[j.done:j.done + n] for _, j, n in work]
+        whole = [len(j.prefill) for _, j, _ in work]
+        for model, cache in self._models():
+            calls = prefill_chunks(model, cache, rows, done, chunks, whole)
+        for call in calls:
+            for i in call:
+                work[i][1].request.stats.target_calls += 1
+        for _, j, n in work:
+            j.done += n
+        if self.prefix_cache is not None:
+            for i, j, _ in work:
+                self._to_prefix_cache(i, j)
+        return sum(n for *_, n in work)
+
+    def _to_prefix_cache(self, staged: int, j: Joining):
+        """Give the prefix cache the blocks of j's prompt that its prefill has now completed."""
+        full = j.done // BLOCK
+        if full <= j.stored:
+            self.prefix_cache.touch(j.keys[:full])
+            return
+        a, b = j.stored * BLOCK, full * BLOCK
+        kv = []
+        for _, cache in self._models():
+            row = cache.staged_view(staged, 1)
+            kv.append((row.k[:, 0, a:b], row.v[:, 0, a:b]))
+        self.prefix_cache.store(j.keys, j.prefill, j.stored, kv)
+        j.stored = full
+
+    def _encode(self, budget: int | None) -> int:
+        """One step of the encoders' passes, the oldest request first: the target's blocks as the
+        budget allows (at least one a step), the draft's as many in proportion; a pass done writes
+        its cross-attention entries into the request's staged rows."""
+        left, spent = budget, 0
+        for i, j in enumerate(self.joining):
+            if j.encoded:
+                continue
+            source = len(j.request.source)
+            run = j.encoders[0]
+            total = len(self.target.encoder)
+            blocks = total - run.blocks_done
+            if left is not None:
+                blocks = min(blocks, left * total // source)
+                if blocks < 1:
+                    if spent:
+                        break
+                    blocks = 1
+            self.target.encode_blocks(run, blocks)
+            if len(j.encoders) > 1:  # the draft's encoder keeps pace
+                draft_run, draft_total = j.encoders[1], len(self.drafter.model.encoder)
+                self.drafter.model.encode_blocks(
+                    draft_run, math.ceil(run.blocks_done * draft_total / total) - draft_run.blocks_done)
+            cost = math.ceil(blocks * source / total)
+            spent += cost
+            if left is not None:
+                left -= cost
+            if run.blocks_done == total:
+                for (model, cache), encoder_run in zip(self._models(), j.encoders):
+                    model.finish_encoding(encoder_run, cache.staged_view(i, 1))
+                j.encoders, j.encoded = None, True
+                j.request.stats.target_calls += 1
+            if left is not None and left <= 0:
+                break
+        return spent
+
+    def drop_joining(self, leaving: list[Joining]):
+        """Forget the staged rows of these joining requests (aborted, or their prefill failed)."""
+        staged = [i for i, j in enumerate(self.joining) if j in leaving]
+        if not staged:
+            return
+        self.joining = [j for j in self.joining if j not in leaving]
+        for _, cache in self._models():
+            cache.drop_staged(staged)
+
+    def drop_all_joining(self):
+        """Forget every staged row (after a failed prefill: nothing on the device is touched)."""
+        self.joining = []
+        for _, cache in self._models():
+            cache.staged = 0
+
+    # ---- rows in use --------------------------------------------------------------------------
 
     # Positions a row gets beyond its prompt when it joins; more come as it grows (make_room).
     HEADROOM = 64
@@ -71,7 +263,7 @@ class RunningBatch:
         return min(self.max_seq_len, max(positions, 2 * self.cache.capacity))
 
     def keep(self, rows: list[int]):
-        """Keep these rows (in this order); the others' requests have left."""
+        """Keep these rows (in this order); the others' requests have left. Staged rows stay."""
         self.requests = [self.requests[i] for i in rows]
         self.cache.keep_rows(rows)
         if self.drafter is not None:
@@ -79,10 +271,10 @@ class RunningBatch:
         self._sampling()
 
     def clear(self):
-        """Drop every row, whatever state the caches are in (after a failure)."""
-        self.requests = []
-        if self.cache is not None:
-            self.cache.clear()
+        """Drop every row, staged ones too, whatever state the caches are in (after a failure)."""
+        self.requests, self.joining = [], []
+        for _, cache in self._models():
+            cache.clear()
         if self.drafter is not None:
             self.drafter.keep_rows([])
         self.sampling = None
@@ -91,4 +283,3 @@ class RunningBatch:
         device = self.target.device
         self.sampling = SamplingBatch.from_params([r.params for r in self.requests],
                                                   [r.seed for r in self.requests], device) if self.requests else None
-

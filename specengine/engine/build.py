@@ -8,12 +8,14 @@ from pathlib import Path
 import torch
 
 from ..drafters.base import Drafter
+from ..drafters.cross_vocab import CrossVocabDrafter
 from ..drafters.model import ModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..drafters.suffix import SuffixDrafter
+from ..drafters.vocab_map import VocabMap
 from ..layers.parallel import init_tensor_parallel
 from ..models.loader import Model, load_model
-from ..tokenizer import TokenizerMismatchError, check_same_vocabulary, has_tokenizer, load_tokenizer
+from ..tokenizer import TokenizerMismatchError, has_tokenizer, load_tokenizer
 
 log = logging.getLogger("specengine")
 
@@ -22,11 +24,21 @@ DRAFTERS = ("model", "ngram", "suffix")
 
 def load_models(target: str | Path, draft: str | Path | None, drafter: str, device: str,
                 dtype: str | torch.dtype | None, weight_dtype: str | torch.dtype | None,
-                tensor_parallel: int) -> tuple[Model, object, Drafter | None]:
+                tensor_parallel: int, suffix_max_global_tokens: int | None = None
+                ) -> tuple[Model, object, Drafter | None]:
     """(target model, its tokenizer, the drafter) of local Hugging Face folders or GGUF files; see
     Engine.from_pretrained."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
+    suffix_options = {}
+    if suffix_max_global_tokens is not None:
+        if drafter != "suffix":
+            raise ValueError(f"suffix_max_global_tokens is an option of drafter='suffix', not {drafter!r}")
+        if (not isinstance(suffix_max_global_tokens, int) or isinstance(suffix_max_global_tokens, bool)
+                or suffix_max_global_tokens < 0):
+            raise ValueError(f"suffix_max_global_tokens must be an integer >= 0 (0: no global tree), got "
+                             f"{suffix_max_global_tokens!r}")
+        suffix_options["max_global_tokens"] = suffix_max_global_tokens
     if drafter in ("ngram", "suffix") and draft is not None:
         raise ValueError(f"the {drafter} drafter takes no draft model; drop `draft` or use drafter='model'")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -44,13 +56,27 @@ def load_models(target: str | Path, draft: str | Path | None, drafter: str, devi
     if drafter == "ngram":
         return target_model, tokenizer, NgramDrafter()
     if drafter == "suffix":
-        return target_model, tokenizer, SuffixDrafter()
+        return target_model, tokenizer, SuffixDrafter(**suffix_options)
     if draft is None:
         return target_model, tokenizer, None
     log.info("loading draft %s", draft)
     draft_model = load_model(draft, device, dtype, weight_dtype)
     if has_tokenizer(draft):
-        check_same_vocabulary(tokenizer, load_tokenizer(draft), target, draft)
+        draft_tokenizer = load_tokenizer(draft)
+        if (draft_tokenizer.get_vocab() != tokenizer.get_vocab()
+                or draft_tokenizer.all_special_ids != tokenizer.all_special_ids):
+            # Another vocabulary: map it onto the target's once (drafters.vocab_map), or refuse a
+            # pair that shares too little of it to be worth drafting with.
+            if draft_model.is_encoder_decoder or target_model.is_encoder_decoder:
+                raise TokenizerMismatchError(f"the tokenizers of {target} and {draft} differ, and an encoder-decoder "
+                                             "pair must share one vocabulary")
+            vocab = VocabMap.from_tokenizers(tokenizer, draft_tokenizer, target_model.config.vocab_size,
+                                             draft_model.config.vocab_size)
+            vocab.check_share(target, draft)
+            log.info("draft %s has its own tokenizer: %d tokens shared with the target (%.0f%% of a sample text's)",
+                     draft, vocab.num_shared, 100 * vocab.share)
+            log.info("loaded target and draft in %.1f s", time.perf_counter() - start)
+            return target_model, tokenizer, CrossVocabDrafter(draft_model, vocab)
     elif draft_model.config.vocab_size != target_model.config.vocab_size:
         # A draft folder without tokenizer files is made for a target's tokenizer (as the
         # default pair's draft is): its logits must be as wide as the target's.

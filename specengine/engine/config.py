@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..ops.verify import IMPLEMENTATIONS
+from .prefill_budget import CHUNK
 
 
 def _positive_int(value) -> bool:
@@ -27,7 +28,15 @@ class EngineConfig:
     max_batch_size: the most requests decoding at once (default 8 with cuda_graphs, otherwise no
     limit: the cache grows as requests join); the others wait in arrival order.
     check_every: with cuda_graphs, run up to this many rounds from device state before reading
-    the results back (engine.device_rounds); tokens are the same as round by round."""
+    the results back (engine.device_rounds); tokens are the same as round by round.
+    prefill_chunk_tokens: prompt tokens a step prefills while other requests decode (joining
+    prompts are prefilled a chunk a step, interleaved with the rounds): "auto" (measured: about a
+    round's time of prefill; no limit while nothing decodes), a multiple of 32, or None (0): each
+    prompt whole in the step it joins (engine.prefill_budget). Tokens are the same either way.
+    prefix_cache_bytes: memory for the prefix cache, which keeps the target's and the draft
+    model's keys and values of prompts' blocks of 64 tokens for later requests starting alike
+    (engine.prefix_cache; decoder-only targets): "auto" (512 MiB on a CPU, a tenth of a GPU's
+    memory) or bytes (0: off). Tokens are the same either way."""
     gamma: int | str = 5
     max_gamma: int = 8
     max_seq_len: int | None = None
@@ -38,6 +47,8 @@ class EngineConfig:
     cuda_graphs: bool = False
     max_batch_size: int | None = None
     check_every: int = 1
+    prefill_chunk_tokens: int | str | None = "auto"
+    prefix_cache_bytes: int | str = "auto"
 
     def __post_init__(self):
         if self.gamma != "auto" and not (_positive_int(self.gamma) and self.gamma <= 64):
@@ -62,3 +73,12 @@ class EngineConfig:
             object.__setattr__(self, "max_batch_size", 8)
         if self.max_batch_size is not None and not _positive_int(self.max_batch_size):
             raise ValueError(f"max_batch_size must be a positive integer, got {self.max_batch_size!r}")
+        chunk = self.prefill_chunk_tokens
+        if chunk == 0:
+            object.__setattr__(self, "prefill_chunk_tokens", None)
+        elif chunk is not None and chunk != "auto" and not (_positive_int(chunk) and chunk % CHUNK == 0):
+            raise ValueError(f"prefill_chunk_tokens must be 'auto', None (0: whole prompts) or a positive multiple "
+                             f"of {CHUNK}, got {chunk!r}")
+        cache = self.prefix_cache_bytes
+        if cache != "auto" and not (isinstance(cache, int) and not isinstance(cache, bool) and cache >= 0):
+            raise ValueError(f"prefix_cache_bytes must be 'auto' or a number of bytes >= 0 (0: off), got {cache!r}")

@@ -1,8 +1,9 @@
 """The speculative decoding loop (Leviathan et al. Algorithm 1) over a batch of requests.
 
 Requests are added at any time (add_request) and join the running batch at a round boundary;
-step() admits them, runs one round for every running request and applies what each row
-emitted, reporting it (RequestOutput); abort() ends one at once. generate() and stream() are
+step() admits them (rows, and what the prefix cache holds of their prompts), prefills a chunk
+of their prompts, runs one round for every running request and applies what each row emitted,
+reporting it (RequestOutput); abort() ends one at once. generate() and stream() are
 loops over them. Each round, for the rows still running:
   1. the drafter proposes up to gamma tokens per row (fewer near a row's limits);
   2. the target scores [last token, drafts] in one forward at each row's cache length;
@@ -37,6 +38,8 @@ from ..steps.graphs import FixedShapeSteps
 from .intake import Intake, Prompt
 from .outputs import Outputs
 from .phases import Phases
+from .prefill_budget import PrefillBudget
+from .prefix_cache import PrefixCache, default_budget
 from .request import DecodeStats, Request, RequestOutput, Result
 from .rounds import DeviceBlocks, HostRounds
 from .scheduler import Scheduler
@@ -96,8 +99,15 @@ class Engine:
         self.rounds_executor = (DeviceBlocks(*round_args, config.check_every) if config.check_every > 1
                                 else HostRounds(*round_args))
         self.intake = Intake(target, tokenizer, self.max_seq_len, self.gamma)
-        self.scheduler = Scheduler(RunningBatch(target, drafter, self.target_steps, self.max_seq_len),
-                                   config.max_batch_size)
+        # Prompt prefixes' KV across requests; an encoder reads its input both ways, so no
+        # prefix of it has entries of its own (T5 keeps none).
+        cache_bytes = (default_budget(target.device) if config.prefix_cache_bytes == "auto"
+                       else config.prefix_cache_bytes)
+        self.prefix_cache = (PrefixCache(cache_bytes) if cache_bytes and not target.is_encoder_decoder
+                             else None)
+        self.prefill_budget = PrefillBudget(config.prefill_chunk_tokens, target.tp)
+        self.scheduler = Scheduler(RunningBatch(target, drafter, self.target_steps, self.max_seq_len,
+                                                self.prefix_cache), config.max_batch_size)
         self.outputs = Outputs(tokenizer, self.eos_token_ids, self.max_seq_len)
         self._costs = costs
         self._gamma_controller: GammaController | None = None
@@ -115,18 +125,20 @@ class Engine:
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str = "model",
                         device: str = "cpu", dtype: str | torch.dtype | None = None,
                         weight_dtype: str | torch.dtype | None = None, tensor_parallel: int = 1,
-                        **options) -> "Engine":
+                        suffix_max_global_tokens: int | None = None, **options) -> "Engine":
         """Load a target (and a draft) from local Hugging Face folders or GGUF files; options are
         EngineConfig's fields (gamma, cuda_graphs, max_batch_size, ...).
 
         A draft folder without tokenizer files shares the target's tokenizer (its vocab_size must be
-        the target's); otherwise both tokenizers must be one vocabulary.
+        the target's). A draft with a tokenizer of its own drafts the tokens both vocabularies share
+        (drafters.cross_vocab); a pair sharing too little is refused.
 
         dtype is the compute dtype; weight_dtype the matrices' storage (see models.load_model:
         by default a bfloat16 checkpoint on CPU keeps bfloat16 matrices and computes in float32).
 
         drafter "model" uses the draft folder (none given: target-only decoding); "ngram"
-        drafts by prompt lookup and takes no draft folder.
+        drafts by prompt lookup and "suffix" by suffix decoding, without a draft folder.
+        suffix_max_global_tokens: the suffix drafter's global tree budget (None: its default).
 
         tensor_parallel=N splits the target over the N ranks of a torch.distributed group (an
         initialised one, or one set up from torchrun's environment: NCCL on CUDA, each rank on the
@@ -138,7 +150,7 @@ class Engine:
 
         config = EngineConfig(**options)  # checked before anything loads
         target_model, tokenizer, chosen = load_models(target, draft, drafter, device, dtype, weight_dtype,
-                                                      tensor_parallel)
+                                                      tensor_parallel, suffix_max_global_tokens)
         return cls(target_model, tokenizer, chosen, config)
 
     @property
@@ -157,7 +169,7 @@ class Engine:
             draft_model = self.drafter.model
             draft_steps = self.drafter.steps
             batches = sorted({1, min(8, self.max_batch_size or 8)})
-            if self.scheduler.running:
+            if self.scheduler.batch.rows_held:
                 raise RuntimeError("costs are measured before the first request runs")
             log.info("gamma='auto': measuring draft and verify costs at batch sizes %s", batches)
             with torch.inference_mode():
@@ -183,9 +195,11 @@ class Engine:
         return request.request_id
 
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests (prefilled now), run one round for every running request (a block
-        of rounds with check_every > 1), and report each: the tokens it gained, the text they
-        complete, whether it finished. Also reports requests that ended outside a step (aborted)."""
+        """Admit waiting requests to free rows, prefill a chunk of the prompts joining (a request
+        whose prefill is done joins the running ones), run one round for every running request (a
+        block of rounds with check_every > 1), and report each: the tokens it gained, the text they
+        complete, whether it finished. Also reports requests that ended outside a step (aborted).
+        A step that only prefilled reports nothing of the requests being prefilled."""
         return self._step(report=True)
 
     @torch.inference_mode()
@@ -213,20 +227,26 @@ class Engine:
         return outputs
 
     def _admit(self) -> bool:
-        """Move waiting requests into free rows and prefill them; whether any joined."""
-        joining = self.scheduler.next_joining()
-        if not joining:
+        """Move waiting requests into free rows (with what the prefix cache holds of their prompts)
+        and prefill the joining prompts up to the step's budget, the target and the draft model in
+        the same chunks; whether any request joined the running ones."""
+        scheduler = self.scheduler
+        joining = scheduler.next_joining()
+        if not joining and not scheduler.batch.joining:
             return False
         controller = self.gamma_controller
         if controller is not None:
-            rows = len(self.scheduler.running) + len(joining)
+            rows = scheduler.batch.rows_held + len(joining)
             for r in joining:
                 r.acceptance = controller.new_estimate(rows, greedy=r.params.temperature == 0)
+        budget = self.prefill_budget.next(decoding=bool(scheduler.running))
         with self.phases("prefill"):
-            # gamma="auto" feeds the draft model when it first drafts: a request whose draft
-            # does not pay may never draft, and then never pays for the draft's prefill.
-            self.scheduler.join(joining, prefill_draft=controller is None)
-        return True
+            if joining:
+                scheduler.stage(joining)
+            start = time.perf_counter()
+            joined, tokens = scheduler.prefill(budget)
+        self.prefill_budget.observe_prefill(tokens, time.perf_counter() - start)
+        return bool(joined)
 
     def _run_round(self, joined: bool) -> InvalidLogitsError | None:
         """One round (or a block of rounds) for every running request, applied to each. A row whose
@@ -252,11 +272,12 @@ class Engine:
             self.outputs.apply(r, outcome)
             if r.finish_reason is not None and controller is not None:
                 controller.observe_finished(r.acceptance, r.stats.accepted, r.stats.rejections)
+        round_s = (time.perf_counter() - round_start) / outcomes[0].rounds
+        self.prefill_budget.observe_round(round_s)
         if controller is not None:
             # A drafting round after rounds without drafts, or with rows that just joined, also
             # fed the draft model what it lacked.
-            controller.observe_round(len(active), gamma, (time.perf_counter() - round_start) / outcomes[0].rounds,
-                                     after_gap=self._previous_gamma == 0 or joined)
+            controller.observe_round(len(active), gamma, round_s, after_gap=self._previous_gamma == 0 or joined)
         self._previous_gamma = gamma
         return failure
 
@@ -294,14 +315,19 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        """Requests holding a row of the running batch."""
-        return len(self.scheduler.running)
+        """Requests holding a row of the running batch: decoding, or being prefilled."""
+        return self.scheduler.batch.rows_held
+
+    @property
+    def num_prefilling(self) -> int:
+        """Requests holding a row whose prompt is still being prefilled (a chunk a step)."""
+        return len(self.scheduler.batch.joining)
 
     @property
     def cache_rows_in_use(self) -> int:
-        """Rows of the target's KV cache that hold a request (the running ones, once a step ends)."""
+        """Rows of the target's KV cache that hold a request (decoding or being prefilled)."""
         cache = self.scheduler.batch.cache
-        return cache.batch_size if cache is not None else 0
+        return cache.rows_held if cache is not None else 0
 
     # ---- offline: whole requests ----------------------------------------------------------
 

@@ -14,9 +14,10 @@ class DecodeStats:
     gamma: int
     requests: int = 1
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of the prompt tokens, those whose KV came from the prefix cache
     generated_tokens: int = 0
     rounds: int = 0          # target verification calls (each emits 1..gamma+1 tokens)
-    target_calls: int = 0    # rounds plus the prefill call
+    target_calls: int = 0    # rounds plus the prefill calls (one a chunk; none for a prompt all cached)
     draft_calls: int = 0     # draft-model forward passes
     drafted: int = 0         # draft tokens proposed
     accepted: int = 0        # draft tokens accepted
@@ -66,8 +67,8 @@ class DecodeStats:
     def combine(cls, parts: list["DecodeStats"], wall_time_s: float) -> "DecodeStats":
         total = cls(gamma=max(p.gamma for p in parts), requests=0)
         for p in parts:
-            for name in ("requests", "prompt_tokens", "generated_tokens", "rounds", "target_calls",
-                         "draft_calls", "drafted", "accepted", "rejections"):
+            for name in ("requests", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "rounds",
+                         "target_calls", "draft_calls", "drafted", "accepted", "rejections"):
                 setattr(total, name, getattr(total, name) + getattr(p, name))
             for i, count in enumerate(p.accepted_histogram):
                 total.accepted_histogram[i] += count

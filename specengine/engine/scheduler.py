@@ -1,11 +1,14 @@
-"""Which requests decode: the queue, admission into the running batch's rows, and how requests
-leave it (finished, aborted, failed), each leaving alone.
+"""Which requests decode: the queue, admission into the running batch's rows, their prefill, and
+how requests leave it (finished, aborted, failed), each leaving alone.
 
-Requests wait in arrival order and join at a round boundary while rows are free
-(max_batch_size). A request that ends holds no row from then on; its last output is reported by
-the next step (those of requests that ended outside a step: aborts, failed prefills, failed
-rounds). Moving the other rows to the front is device work: should it fail, no row is in a known
-state, so the running requests end with the reason rather than decode from a broken cache.
+Requests wait in arrival order and take rows at a step's start while rows are free
+(max_batch_size counts the rows of requests still being prefilled). Their prompts are then
+prefilled a chunk a step (engine.batch) and they join the rounds once prefilled. A request that
+ends holds no row from then on; its last output is reported by the next step (those of requests
+that ended outside a step: aborts, failed prefills, failed rounds). Moving the other rows to the
+front is device work: should it fail, no row is in a known state, so the running requests end
+with the reason rather than decode from a broken cache. A failed prefill ends the requests being
+prefilled; the rows decoding stay as they were.
 """
 from __future__ import annotations
 
@@ -38,22 +41,41 @@ class Scheduler:
             self.unfinished[r.request_id] = r
             self.waiting.append(r)
 
+    @property
+    def prefilling(self) -> list[Request]:
+        """Requests holding a row whose prompt is still being prefilled, oldest first."""
+        return [j.request for j in self.batch.joining]
+
     def next_joining(self) -> list[Request]:
         """Waiting requests that get a row now, first come first served (taken off the queue)."""
-        free = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - len(self.batch)
+        held = self.batch.rows_held
+        free = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - held
         return [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
 
-    def join(self, joining: list[Request], prefill_draft: bool):
-        """Give the joining requests rows and prefill them. Nothing half-done: should the prefill
-        fail, the rows already running stay as they were and the joiners end (then it raises)."""
-        running = len(self.batch)
+    def stage(self, joining: list[Request]):
+        """Give the joining requests rows, holding what the prefix cache has of their prompts."""
         try:
-            self.batch.admit(joining, prefill_draft=prefill_draft)
+            self.batch.stage(joining)
         except BaseException as exc:
-            self.batch.keep(list(range(running)))
-            for r in joining:
+            for r in joining:  # those not staged yet
                 self.end(r, f"aborted: its prefill failed ({type(exc).__name__}: {exc})")
+            self._end_joining(exc)
             raise
+
+    def prefill(self, budget: int | None) -> tuple[list[Request], int]:
+        """Prefill the requests holding staged rows, up to `budget` tokens; those done join the
+        running rows (returned, with the tokens prefilled). Should it fail, the rows running stay
+        as they were and the requests being prefilled end (then it raises)."""
+        try:
+            return self.batch.prefill(budget)
+        except BaseException as exc:
+            self._end_joining(exc)
+            raise
+
+    def _end_joining(self, exc: BaseException):
+        for j in self.batch.joining:
+            self.end(j.request, f"aborted: its prefill failed ({type(exc).__name__}: {exc})")
+        self.batch.drop_all_joining()
 
     def abort(self, request_id: str) -> bool:
         """End a request now, whatever its state, and free its row. False when none has this id."""
@@ -70,6 +92,13 @@ class Scheduler:
 
     def release(self, report: bool = False):
         """Drop the rows of requests that ended (report: their outputs are still to be reported)."""
+        ended = [j for j in self.batch.joining if j.request.finish_reason is not None]
+        if ended:
+            try:
+                self.batch.drop_joining(ended)
+            except Exception as exc:  # noqa: BLE001 (contained: the other joiners end with the reason)
+                log.exception("freeing the row of a request being prefilled failed; those being prefilled end")
+                self._end_joining(exc)
         running = self.batch.requests
         keep = [i for i, r in enumerate(running) if r.finish_reason is None]
         for r in running:
@@ -93,8 +122,9 @@ class Scheduler:
             self.ended.append(r)
 
     def end_running(self, message: str):
-        """End every running request (their rows are in no known state) and drop the rows."""
-        for r in self.batch.requests:
+        """End every request holding a row, prefilling ones too (their rows are in no known state),
+        and drop the rows."""
+        for r in self.batch.requests + self.prefilling:
             self.end(r, message)
         self.batch.clear()
 

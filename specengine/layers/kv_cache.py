@@ -6,8 +6,15 @@ by the next write at those positions. Nothing is copied, there is no tree.
 
 Rows are the requests in flight, in order: requests that join append rows (add_rows), finished
 ones are dropped by moving the others to the front (keep_rows). A growable cache reallocates,
-copying the rows in use, when joining rows need more rows or positions than it holds; a fixed
+copying the rows held, when joining rows need more rows or positions than it holds; a fixed
 one (the persistent cache of CUDA graphs, whose addresses a graph keeps) never moves.
+
+Staged rows follow the rows in use: rows of requests whose prompts are still being prefilled
+(a chunk a step, engine.batch), which the rounds do not see (lengths, batch_size: the rows in
+use only). stage_rows appends them, staged_view is what a prefill writes, promote makes some of
+them rows in use and drop_staged forgets some (an aborted prefill). A round over a padded bucket
+of fixed-shape steps may take staged rows for its padding rows: their writes go to the spill
+slot, but their lengths change, so whoever prefills a staged row sets its length first.
 
 EncoderDecoderKVCache adds each row's cross-attention keys and values (T5): written once, when
 the row joins, from its encoder output, and moved, grown and dropped with the row.
@@ -18,6 +25,8 @@ import torch
 
 
 class StaticKVCache:
+    staged = 0  # see rows_held
+
     def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, growable: bool = True):
         if batch_size < 1 or capacity < 1:
@@ -25,6 +34,12 @@ class StaticKVCache:
         self.growable = growable
         self._allocate(num_layers, batch_size, capacity, num_kv_heads, head_dim, dtype, device)
         self.batch_size = batch_size  # rows in use (<= allocated rows, see keep_rows)
+        self.staged = 0  # rows after them held by requests being prefilled
+
+    @property
+    def rows_held(self) -> int:
+        """Rows in use and staged rows."""
+        return self.batch_size + self.staged
 
     def _allocate(self, num_layers, rows, capacity, num_kv_heads, head_dim, dtype, device):
         self.capacity = capacity
@@ -53,7 +68,7 @@ class StaticKVCache:
         """Reuse the cache for a new batch of empty rows (0: none in use yet)."""
         if not 0 <= batch_size <= self.allocated_rows:
             raise ValueError(f"batch of {batch_size} rows does not fit the {self.allocated_rows} rows allocated")
-        self.batch_size = batch_size
+        self.batch_size, self.staged = batch_size, 0
         self.lengths.zero_()
 
     def pretend_filled(self, length: int):
@@ -66,7 +81,7 @@ class StaticKVCache:
         return self.k[layer], self.v[layer]
 
     def reserve(self, rows: int, capacity: int):
-        """Room for `rows` rows of `capacity` positions, keeping the rows in use and their entries.
+        """Room for `rows` rows of `capacity` positions, keeping the rows held and their entries.
         A growable cache that lacks room reallocates, at least doubling what it lacks (rows joining
         one at a time copy it a logarithmic number of times); a fixed one raises."""
         if rows <= self.allocated_rows and capacity <= self.capacity:
@@ -77,7 +92,7 @@ class StaticKVCache:
         L, _, _, H, D = self.k.shape
         new_rows = max(rows, 2 * self.allocated_rows) if rows > self.allocated_rows else self.allocated_rows
         new_capacity = capacity if capacity > self.capacity else self.capacity
-        k, v, lengths, n, kept = self.k, self.v, self._lengths, self.batch_size, self.capacity
+        k, v, lengths, n, kept = self.k, self.v, self._lengths, self.rows_held, self.capacity
         self._allocate(L, new_rows, new_capacity, H, D, k.dtype, k.device)
         self.k[:, :n, :kept] = k[:, :n, :kept]
         self.v[:, :n, :kept] = v[:, :n, :kept]
@@ -86,6 +101,8 @@ class StaticKVCache:
     def add_rows(self, count: int) -> "StaticKVCache":
         """Append `count` empty rows (reserve room first) and return a cache of just those rows, a
         view sharing this one's storage (to prefill the requests that joined)."""
+        if self.staged:
+            raise ValueError("rows are staged: promote or drop them before adding rows in use")
         start = self.batch_size
         if start + count > self.allocated_rows:
             raise ValueError(f"{count} more rows do not fit the {self.allocated_rows} allocated "
@@ -103,21 +120,66 @@ class StaticKVCache:
         view.k, view.v, view._lengths = self.k[:, start:], self.v[:, start:], self._lengths[start:]
 
     def clear(self):
-        """Forget every row in use (nothing on the device is touched: it works whatever state a
-        failure left the tensors in)."""
-        self.batch_size = 0
+        """Forget every row held, staged ones too (nothing on the device is touched: it works
+        whatever state a failure left the tensors in)."""
+        self.batch_size = self.staged = 0
 
     def keep_rows(self, rows: list[int]):
-        """Move the listed rows (in order) to the front and forget the others (finished requests)."""
-        if rows == list(range(len(rows))):
-            self.batch_size = len(rows)
+        """Move the listed rows in use (in order) to the front and forget the others (finished
+        requests); the staged rows follow them."""
+        B = self.batch_size
+        self._gather(rows + list(range(B, B + self.staged)))
+        self.batch_size = len(rows)
+
+    # ---- staged rows: requests being prefilled --------------------------------------------------
+
+    def stage_rows(self, count: int):
+        """Append `count` empty staged rows (reserve room first)."""
+        start = self.rows_held
+        if start + count > self.allocated_rows:
+            raise ValueError(f"{count} more rows do not fit the {self.allocated_rows} allocated "
+                             f"({start} held); reserve room first")
+        self.staged += count
+        self._lengths[start:start + count] = 0
+
+    def staged_view(self, first: int, count: int) -> "StaticKVCache":
+        """A cache of staged rows first .. first + count - 1 (0: the first staged row), sharing
+        this one's storage: what their prefill writes. Valid until the rows move or the cache grows."""
+        if not (0 <= first and count >= 1 and first + count <= self.staged):
+            raise ValueError(f"staged rows {first}..{first + count - 1} of {self.staged}")
+        view = object.__new__(type(self))
+        view.growable, view.batch_size, view.staged = False, count, 0
+        self._share_rows(view, self.batch_size + first)
+        return view
+
+    def promote(self, staged: list[int]):
+        """Staged rows (by their place among the staged rows) become rows in use, in this order,
+        after those in use; the other staged rows follow them."""
+        B, rest = self.batch_size, [i for i in range(self.staged) if i not in staged]
+        self._gather(list(range(B)) + [B + i for i in staged] + [B + i for i in rest])
+        self.batch_size, self.staged = B + len(staged), len(rest)
+
+    def drop_staged(self, staged: list[int]):
+        """Forget these staged rows (by their place among the staged rows)."""
+        B, rest = self.batch_size, [i for i in range(self.staged) if i not in staged]
+        self._gather(list(range(B)) + [B + i for i in rest])
+        self.staged = len(rest)
+
+    def _gather(self, rows: list[int]):
+        """Row i becomes what row rows[i] holds (the rows before the first one that moves are
+        left alone)."""
+        first = next((i for i, r in enumerate(rows) if r != i), len(rows))
+        if first == len(rows):
             return
-        index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)
+        index = torch.tensor(rows[first:], dtype=torch.int64, device=self.k.device)
         n = len(rows)
-        self.k[:, :n] = self.k[:, index]
-        self.v[:, :n] = self.v[:, index]
-        self._lengths[:n] = self._lengths[index]
-        self.batch_size = n
+        self.k[:, first:n] = self.k[:, index]
+        self.v[:, first:n] = self.v[:, index]
+        self._lengths[first:n] = self._lengths[index]
+        self._gather_more(first, n, index)
+
+    def _gather_more(self, first: int, n: int, index: torch.Tensor):
+        """What a subclass keeps per row besides k, v and lengths, moved as _gather moves them."""
 
 
 class EncoderDecoderKVCache(StaticKVCache):
@@ -174,7 +236,7 @@ class EncoderDecoderKVCache(StaticKVCache):
         self._regrow_cross(self.allocated_rows, max(source_len, 2 * self.source_capacity))
 
     def _regrow_cross(self, rows: int, source_capacity: int):
-        k, v, lengths, n, kept = self.cross_k, self.cross_v, self._source_lengths, self.batch_size, self.source_capacity
+        k, v, lengths, n, kept = self.cross_k, self.cross_v, self._source_lengths, self.rows_held, self.source_capacity
         self._allocate_cross(rows, source_capacity)
         self.cross_k[:, :n, :kept] = k[:, :n]
         self.cross_v[:, :n, :kept] = v[:, :n]
@@ -191,11 +253,12 @@ class EncoderDecoderKVCache(StaticKVCache):
         view.source_lengths.zero_()
         return view
 
-    def keep_rows(self, rows: list[int]):
-        if rows != list(range(len(rows))):
-            index = torch.tensor(rows, dtype=torch.int64, device=self.k.device)
-            n = len(rows)
-            self.cross_k[:, :n] = self.cross_k[:, index]
-            self.cross_v[:, :n] = self.cross_v[:, index]
-            self._source_lengths[:n] = self._source_lengths[index]
-        super().keep_rows(rows)
+    def stage_rows(self, count: int):
+        super().stage_rows(count)
+        start = self.rows_held - count
+        self._source_lengths[start:start + count] = 0
+
+    def _gather_more(self, first: int, n: int, index: torch.Tensor):
+        self.cross_k[:, first:n] = self.cross_k[:, index]
+        self.cross_v[:, first:n] = self.cross_v[:, index]
+        self._source_lengths[first:n] = self._source_lengths[index]

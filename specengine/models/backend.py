@@ -34,6 +34,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..layers.blocks import BLOCK_MODULES
+
 log = logging.getLogger(__name__)
 
 
@@ -80,7 +82,8 @@ def _unavailable(model: "RunsOnBackend", name: str) -> str | None:
         if name == "cpp-layers" and model.tp is not None:
             return "a split model runs op by op (its all-reduces sit between the ops): use 'cpp-ops'"
         if name == "cpp-layers" and model.whole_layer_weights() is None:
-            return "the whole-layer op reads matrices stored in bfloat16, and not all of the model's are: use 'cpp-ops'"
+            return ("the whole-layer op reads matrices stored in bfloat16 or as a GGUF file stores them, and not all "
+                    "of the model's are: use 'cpp-ops'")
     if name == "triton" and not (device.type in ("cuda", "meta") or (device.type == "cpu" and triton_interpreted())):
         return (f"the Triton kernels run on CUDA tensors (or CPU ones in Triton's interpreter, TRITON_INTERPRET=1); "
                 f"the model is on {device}")
@@ -102,6 +105,7 @@ class RunsOnBackend(nn.Module):
         """Run on backend `name` from the next forward on (None: the default for this model's device
         and dtypes); a ValueError says why it cannot run the model. Returns the backend."""
         self.backend = choose_backend(self, name)
+        self._set_matrix_impl(self.backend.impl)
         self._requested_backend = name
         self.triton_fallback_reason = None
         self._backend_proven = self.backend.name != "triton"
@@ -118,11 +122,18 @@ class RunsOnBackend(nn.Module):
             out = forward(*args, self.backend)
         except Exception as exc:  # noqa: BLE001 (any failure means: the torch path, and say why)
             self.backend, self.triton_fallback_reason = TORCH, f"{type(exc).__name__}: {exc}"
+            self._set_matrix_impl(TORCH.impl)
             self._backend_proven = True
             log.warning("the Triton step kernels failed (%s); running the torch path", self.triton_fallback_reason)
             return forward(*args, TORCH)
         self._backend_proven = True
         return out
+
+    def _set_matrix_impl(self, impl: str):
+        """Matrices kept as stored (layers.blocks) run their products on the backend's implementation."""
+        for module in self.modules():
+            if isinstance(module, BLOCK_MODULES):
+                module.impl = impl
 
     def _apply(self, fn, recurse=True):
         """Moving or casting the model (model.to(...) and friends) chooses its backend again."""

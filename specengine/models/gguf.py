@@ -196,6 +196,62 @@ def gguf_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[str, np.
         yield name, weights
 
 
+def gguf_stored_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[str, object]]:
+    """(transformers name, tensor) for every weight of the file, matrices kept as stored: a
+    MatrixPart (ops.blocks) viewing the file's mapped bytes (q and k rows are put back in
+    transformers' order, which copies them), vectors as float32 tensors. A matrix of a type the
+    runtime has no kernels for is dequantized to float32 once here, with a log line naming it."""
+    import logging
+    import warnings
+
+    import torch
+    from gguf.quants import dequantize
+
+    from ..ops.blocks import BLOCK_LAYOUT, BlockFormatError, MatrixPart, WeightType, row_bytes
+
+    log = logging.getLogger("specengine")
+    permute = cfg["model_type"] in ("llama", "mistral")
+    stored_types = {int(t) for t in BLOCK_LAYOUT}
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            continue
+        name = _hf_name(t.name)
+        if name is None:
+            raise GGUFError(f"{path}: tensor {t.name} is not part of a {cfg['architectures'][0]}")
+        shape = _array_shape(t)
+        if len(shape) == 1:
+            yield name, torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+            continue
+        if len(shape) != 2:
+            raise GGUFError(f"{path}: tensor {t.name} has {len(shape)} dimensions; a weight matrix has 2")
+        if int(t.tensor_type) in stored_types:
+            weight_type = WeightType(int(t.tensor_type))
+            try:
+                width = row_bytes(weight_type, shape[1])
+            except BlockFormatError as e:
+                raise GGUFError(f"{path}: tensor {t.name}: {e}") from None
+            raw = t.data.view(np.uint8).reshape(shape[0], -1)
+            if raw.shape[1] != width:
+                raise GGUFError(f"{path}: tensor {t.name} holds rows of {raw.shape[1]} bytes; {shape[1]} "
+                                f"{weight_type.name} weights take {width}")
+        else:
+            log.info("%s: tensor %s is %s, which runs dequantized to float32", Path(path).name, t.name,
+                     t.tensor_type.name)
+            try:
+                values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            except NotImplementedError:
+                raise GGUFError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which neither this engine "
+                                "nor the gguf package can dequantize") from None
+            weight_type, raw = WeightType.F32, values.view(np.uint8)
+        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads" if name.endswith("q_proj.weight") else "num_key_value_heads"]
+            raw = _unpermute(raw, heads)  # whole rows move: each row's blocks stay as they are
+        with warnings.catch_warnings():  # the mapped file is read-only, and nothing writes to it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            data = torch.from_numpy(np.ascontiguousarray(raw))
+        yield name, MatrixPart(weight_type, data)
+
+
 def gguf_tokenizer(path: str | Path):
     """The file's tokenizer (chat template included), converted by transformers."""
     from transformers import AutoTokenizer

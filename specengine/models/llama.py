@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..layers.blocks import BlockEmbedding, BlockLinear, HoldsBlockMatrix, TiedBlockHead
 from ..layers.kv_cache import StaticKVCache
 from ..layers.linear import GEMM_ROWS, Linear, RowParallelLinear
 from ..layers.norm import RMSNorm
@@ -39,14 +40,19 @@ class StepInputs:
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the reference attention (None for the others)
 
 
-def _output(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> Linear:
+def _matrix(in_features: int, out_features: int, bias: bool, stored: bool) -> nn.Module:
+    """A projection: over a matrix as a GGUF file stores it (layers.blocks), or a dense one."""
+    return BlockLinear(in_features, out_features, bias) if stored else Linear(in_features, out_features, bias=bias)
+
+
+def _output(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None, stored: bool) -> nn.Module:
     """o_proj and down_proj: row-parallel (an all-reduce) when the model is split."""
-    return Linear(in_features, out_features, bias=bias) if tp is None else RowParallelLinear(
+    return _matrix(in_features, out_features, bias, stored) if tp is None else RowParallelLinear(
         in_features, out_features, bias, tp)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None, stored: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.sliding_window = cfg.sliding_window
@@ -57,8 +63,8 @@ class Attention(nn.Module):
         # q, k and v in one matrix: one product per step instead of three (checkpoints keep
         # q_proj, k_proj and v_proj; the loader writes them into their rows, see checkpoint_tensors).
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = _output(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
+        self.qkv_proj = _matrix(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, stored)
+        self.o_proj = _output(self.q_size, cfg.hidden_size, cfg.o_bias, tp, stored)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -83,23 +89,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, stored: bool = False):
         super().__init__()
         inter = cfg.intermediate_size
         self.intermediate_size = inter if tp is None else tp.split(inter, "intermediate_size")
         # gate and up in one matrix (checkpoints keep gate_proj and up_proj, see checkpoint_tensors).
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = _output(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.gate_up_proj = _matrix(cfg.hidden_size, 2 * self.intermediate_size, cfg.mlp_bias, stored)
+        self.down_proj = _output(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp, stored)
 
     def forward(self, x: torch.Tensor, impl: str = "reference") -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x), impl, check=ops.CHECK_MODEL_CALLS))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None, stored: bool = False):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, tp)
-        self.mlp = MLP(cfg, tp)
+        self.self_attn = Attention(cfg, layer_idx, tp, stored)
+        self.mlp = MLP(cfg, tp, stored)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -107,9 +113,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
         return DecoderLayerWeights(
-            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, q_norm, k_norm,
-            attn.o_proj.weight, attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
-            mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+            self.input_layernorm.weight, _weight(attn.qkv_proj), attn.qkv_proj.bias, q_norm, k_norm,
+            _weight(attn.o_proj), attn.o_proj.bias, self.post_attention_layernorm.weight, _weight(mlp.gate_up_proj),
+            mlp.gate_up_proj.bias, _weight(mlp.down_proj), mlp.down_proj.bias)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, step: StepInputs,
                 cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,21 +127,33 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h, step.impl)
 
 
+def _weight(projection: nn.Module):
+    """A projection's matrix: a dense weight tensor, or a BlockMatrix as stored."""
+    return projection.matrix if isinstance(projection, HoldsBlockMatrix) else projection.weight
+
+
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_rows: int, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, vocab_rows: int, tp: TensorParallel | None = None, stored: bool = False):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.embed_tokens = BlockEmbedding(vocab_rows, cfg.hidden_size) if stored else nn.Embedding(
+            vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, stored) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
     is_encoder_decoder = False
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, stored_matrices: bool = False):
+        """stored_matrices: the matrices are kept as a GGUF file stores them (layers.blocks), filled
+        by the loader with set_parts; otherwise dense parameters."""
         super().__init__()
         self.config = cfg
         self.tp = tp
+        self.stored_matrices = stored_matrices
+        if stored_matrices and (tp is not None or cfg.output_vocab_size is not None):
+            raise ValueError("matrices kept as a GGUF file stores them run unsplit and with a full-vocabulary head "
+                             "(convert the file to a folder for tensor parallelism: specengine convert)")
         # Split by vocabulary over the ranks: ids [vocab_start, vocab_start + vocab_held) in the
         # first rows of each rank's embedding and head (vocab_rows rows, the rest zero).
         self.vocab_start, self.vocab_held, vocab_rows = 0, cfg.vocab_size, cfg.vocab_size
@@ -144,15 +162,19 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
                 raise TensorParallelError("tensor parallelism does not split a head over lm_head.token_ids "
                                           "(a draft's head; drafts are replicated, not split)")
             self.vocab_start, self.vocab_held, vocab_rows = tp.vocab_range(cfg.vocab_size)
-        self.model = Backbone(cfg, vocab_rows, tp)
+        self.model = Backbone(cfg, vocab_rows, tp, stored_matrices)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
-        self.lm_head = Linear(cfg.hidden_size, cfg.output_vocab_size or vocab_rows, bias=False)
-        if cfg.output_vocab_size is not None:
-            # The head's rows score these ids (a tied head's rows are copied from the embedding
-            # once loaded, see gather_output_rows).
-            self.register_buffer("output_token_ids", torch.zeros(cfg.output_vocab_size, dtype=torch.int64))
-        elif cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if stored_matrices:
+            self.lm_head = TiedBlockHead(self.model.embed_tokens) if cfg.tie_word_embeddings else BlockLinear(
+                cfg.hidden_size, vocab_rows, bias=False)
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.output_vocab_size or vocab_rows, bias=False)
+            if cfg.output_vocab_size is not None:
+                # The head's rows score these ids (a tied head's rows are copied from the embedding
+                # once loaded, see gather_output_rows).
+                self.register_buffer("output_token_ids", torch.zeros(cfg.output_vocab_size, dtype=torch.int64))
+            elif cfg.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
         # Kept out of the module's buffers so that model.to(bfloat16) cannot round it.
         self._inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_at
@@ -181,7 +203,7 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
                     full = tensors.pop(f"model.layers.{i}.{packed_name}.{kind}", None)
                     for name, start, rows in parts if full is not None else ():
                         tensors[f"model.layers.{i}.{name}.{kind}"] = full.narrow(0, start, rows)
-        if self.vocab_held != self.model.embed_tokens.weight.shape[0]:  # a split's last rank
+        if self.tp is not None and self.vocab_held != self.model.embed_tokens.weight.shape[0]:  # the last rank
             for name in ("model.embed_tokens.weight", "lm_head.weight"):
                 if name in tensors:
                     tensors[name] = tensors[name].narrow(0, 0, self.vocab_held)
@@ -208,9 +230,25 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
                     parts[prefix + name + ".bias"] = (0, r * size, size, n * size)
         return parts
 
+    def stored_matrix_sources(self) -> dict[str, list[str]]:
+        """A stored-matrix model's matrices: module name -> the checkpoint names of its parts, in row
+        order (a packed projection's parts are its checkpoint matrices). Empty for a dense model."""
+        if not self.stored_matrices:
+            return {}
+        sources = {"model.embed_tokens": ["model.embed_tokens.weight"]}
+        if not self.config.tie_word_embeddings:
+            sources["lm_head"] = ["lm_head.weight"]
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            sources[p + "self_attn.qkv_proj"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+            sources[p + "self_attn.o_proj"] = [p + "self_attn.o_proj.weight"]
+            sources[p + "mlp.gate_up_proj"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            sources[p + "mlp.down_proj"] = [p + "mlp.down_proj.weight"]
+        return sources
+
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -262,6 +300,8 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
         whole-layer op updates it in place). Indexed, not through nn.Embedding's module call: 13 us
         against 34 on a 2-core CPU, where a draft step takes ~0.6 ms. Split by vocabulary, each
         rank looks up the ids it holds, zeros for the others, and an all-reduce sums them."""
+        if self.stored_matrices:
+            return self.model.embed_tokens(tokens).to(self.dtype)
         weight = self.model.embed_tokens.weight
         if self.tp is None:
             return weight[tokens].to(self.dtype)
@@ -288,8 +328,13 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
 
     def whole_layer_weights(self) -> list[DecoderLayerWeights] | None:
         """Each decoder layer's weights for ops.decoder_layer, or None unless every matrix is stored
-        in bfloat16 (the "cpp-layers" backend's condition). Kept between calls: replacing a layer's
-        parameter, or moving or casting the model with parameters swapped for new objects, rebuilds them."""
+        in bfloat16 or kept as a GGUF file stores it (the "cpp-layers" backend's condition). Kept
+        between calls: replacing a layer's parameter, or moving or casting the model with parameters
+        swapped for new objects, rebuilds them."""
+        if self.stored_matrices:
+            if not all(m.weight_types for m in self.modules() if isinstance(m, HoldsBlockMatrix)):
+                return None  # not loaded yet
+            return self.parameter_views(lambda: [layer.weights() for layer in self.model.layers])
         weights = self.parameter_views(lambda: [layer.weights() for layer in self.model.layers])
         bf16 = torch.bfloat16
         if all(w.qkv.dtype == bf16 and w.o.dtype == bf16 and w.gate_up.dtype == bf16 and w.down.dtype == bf16

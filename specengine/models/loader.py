@@ -6,6 +6,7 @@ files (never torch.load), the config is JSON, and tokenizers load without remote
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ Model = LlamaForCausalLM | T5ForConditionalGeneration
 AnyConfig = ModelConfig | T5Config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("specengine")
 # Keys some checkpoints carry that hold nothing we need (recomputed buffers).
 # (T5's cross-attention never had a relative bias; old checkpoints saved an unused one.)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "EncDecAttention.relative_attention_bias.weight")
@@ -90,21 +92,24 @@ def load_config(folder: str | Path) -> AnyConfig:
 
 
 def empty_model(cfg: AnyConfig, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-                weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None) -> Model:
+                weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None,
+                stored_matrices: bool = False) -> Model:
     """The model of `cfg` (this rank's share of it with tp) with uninitialised weights in the
-    dtypes load_model would give them, on its default backend (models.backend)."""
+    dtypes load_model would give them, on its default backend (models.backend). stored_matrices:
+    its matrices are left empty, to be filled as a GGUF file stores them (computing in float32)."""
     device = torch.device(device)
-    torch_dtype = resolve_dtype(dtype, cfg, device)
-    matrix_dtype = resolve_weight_dtype(weight_dtype, torch_dtype, cfg, device)
+    torch_dtype = torch.float32 if stored_matrices else resolve_dtype(dtype, cfg, device)
+    matrix_dtype = torch_dtype if stored_matrices else resolve_weight_dtype(weight_dtype, torch_dtype, cfg, device)
     if isinstance(cfg, T5Config) and tp is not None:
         raise TensorParallelError("tensor parallelism splits decoder-only models; T5 runs in one process")
     with torch.device("meta"):
-        model = T5ForConditionalGeneration(cfg) if isinstance(cfg, T5Config) else LlamaForCausalLM(cfg, tp)
+        model = (T5ForConditionalGeneration(cfg) if isinstance(cfg, T5Config)
+                 else LlamaForCausalLM(cfg, tp, stored_matrices=stored_matrices))
     model = model.to_empty(device=device).to(torch_dtype)
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.data = module.weight.data.to(matrix_dtype)
-    if cfg.tie_word_embeddings and cfg.output_vocab_size is None:
+    if cfg.tie_word_embeddings and cfg.output_vocab_size is None and not stored_matrices:
         # to_empty allocates each module's parameters apart: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     if tp is not None:  # rows past the vocabulary on the last rank: never looked up, logits dropped
@@ -115,6 +120,19 @@ def empty_model(cfg: AnyConfig, device: str | torch.device = "cpu", dtype: str |
     return model
 
 
+def return_freed_memory():
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere).
+    Reading a GGUF file's metadata or converting a tokenizer makes ~100 MB of short-lived objects,
+    whose freed pages glibc would otherwise keep: more than a small model's own size."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def is_gguf(path: str | Path) -> bool:
     """A GGUF file is told apart by its name, as llama.cpp's tools do."""
     return Path(path).suffix.lower() == ".gguf"
@@ -122,26 +140,76 @@ def is_gguf(path: str | Path) -> bool:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                weight_dtype: str | torch.dtype | None = None, tp: TensorParallel | None = None) -> Model:
-    """A Hugging Face checkpoint folder, or a GGUF file (models.gguf; its weights dequantized
-    and held as a bfloat16 checkpoint's would be).
-    dtype: the compute dtype (None: float32 on CPU, the checkpoint's on GPU).
-    weight_dtype: the matrices' storage dtype (None: see resolve_weight_dtype).
+    """A Hugging Face checkpoint folder, or a GGUF file (models.gguf).
+    dtype: the compute dtype (None: float32 on CPU, the checkpoint's on GPU; a GGUF file's
+    matrices kept as stored compute in float32).
+    weight_dtype: the matrices' storage dtype (None: see resolve_weight_dtype). For a GGUF file,
+    None keeps each matrix as the file stores it (its blocks, mapped from the file on a CPU: the
+    file's own model at its own precision); a dtype dequantizes the matrices into that dtype.
     tp: this rank's share of a tensor-parallel split; from safetensors it reads only its slices
-    (a GGUF tensor is dequantized whole, one at a time, and sliced)."""
+    (a GGUF file splits dequantized, as with a weight_dtype: each tensor whole, then sliced)."""
     path = Path(path)
     if is_gguf(path):
-        from .gguf import gguf_config, gguf_tensors, open_gguf
-
-        reader = open_gguf(path)
-        raw = gguf_config(reader, path)
-        cfg = ModelConfig.from_dict(raw)
-        tensors = ((name, torch.from_numpy(array)) for name, array in gguf_tensors(reader, raw, path))
-        return fill_model(empty_model(cfg, device, dtype, weight_dtype, tp), tensors, path)
+        return _load_gguf(path, device, dtype, weight_dtype, tp)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
     cfg = load_config(path)
     model = empty_model(cfg, device, dtype, weight_dtype, tp)
     return fill_model(model, safetensors_tensors(path), path)
+
+
+def _load_gguf(path: Path, device, dtype, weight_dtype, tp: TensorParallel | None) -> Model:
+    from .gguf import gguf_config, gguf_stored_tensors, gguf_tensors, open_gguf
+
+    reader = open_gguf(path)
+    raw = gguf_config(reader, path)
+    cfg = ModelConfig.from_dict(raw)
+    if weight_dtype is not None or tp is not None:  # dequantized into dense matrices (of that dtype)
+        if weight_dtype is None:  # the file's exact values, in float32
+            log.info("%s: tensor parallelism splits dense matrices: the file's are dequantized to float32", path.name)
+            weight_dtype, dtype = "float32", dtype or "float32"
+        tensors = ((name, torch.from_numpy(array)) for name, array in gguf_tensors(reader, raw, path))
+        return fill_model(empty_model(cfg, device, dtype, weight_dtype, tp), tensors, path)
+    if dtype is not None and resolve_dtype(dtype, cfg, torch.device(device)) != torch.float32:
+        raise ValueError(f"{path}: matrices kept as the GGUF file stores them compute in float32, not {dtype}; "
+                         "pass a weight_dtype to dequantize them instead")
+    model = empty_model(cfg, device, dtype, weight_dtype, stored_matrices=True)
+    model = fill_stored_model(model, gguf_stored_tensors(reader, raw, path), path)
+    del reader
+    return_freed_memory()
+    return model
+
+
+def fill_stored_model(model: LlamaForCausalLM, tensors, source: Path) -> LlamaForCausalLM:
+    """A stored-matrix model filled from (name, MatrixPart or vector tensor) pairs: each matrix
+    module gets its parts (moved to the model's device), the vectors load as fill_model loads them."""
+    from ..ops.blocks import MatrixPart
+
+    parts, vectors = {}, []
+    for name, tensor in tensors:
+        if isinstance(tensor, MatrixPart):
+            parts[name] = tensor
+        else:
+            vectors.append((name, tensor))
+    device = model.device
+    modules = dict(model.named_modules())
+    for module_name, names in model.stored_matrix_sources().items():
+        missing = [n for n in names if n not in parts]
+        if missing:
+            raise CheckpointError(f"{source}: weights missing from the checkpoint: {', '.join(missing)}")
+        module_parts = [parts.pop(n) for n in names]
+        if device.type != "cpu":
+            module_parts = [MatrixPart(p.weight_type, p.data.to(device)) for p in module_parts]
+        try:
+            modules[module_name].set_parts(module_parts)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {', '.join(names)}: {e}") from None
+    if parts:
+        raise CheckpointError(f"{source}: matrices not used by {model.config.architecture}: "
+                              f"{', '.join(sorted(parts)[:5])}")
+    model = fill_model(model, vectors, source)
+    model.use_backend()  # the default now that the matrices are there (cpp-layers needs them)
+    return model
 
 
 def safetensors_tensors(folder: Path):

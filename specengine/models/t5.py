@@ -147,6 +147,18 @@ class DecoderBlock(nn.Module):
 
 
 @dataclass
+class EncoderRun:
+    """An encoder pass in progress (T5ForConditionalGeneration.start_encoding)."""
+
+    tokens: torch.Tensor   # [B, S] int64, right-padded inputs
+    lengths: torch.Tensor  # [B] int64
+    bias: torch.Tensor     # [B, H, S, S] relative position bias, -inf on padding keys
+    x: torch.Tensor        # [B, S, D] the hidden states after blocks_done blocks
+    impl: str              # the ops' implementation (models.backend), chosen at the start
+    blocks_done: int = 0
+
+
+@dataclass
 class DecoderStep:
     """What every decoder block of one forward shares."""
 
@@ -259,13 +271,33 @@ class T5ForConditionalGeneration(RunsOnBackend, KeepsParameterViews):
         may differ in length: each row attends only to its own tokens."""
         if len(sources) != cache.batch_size:
             raise ValueError(f"{len(sources)} encoder inputs for a cache of {cache.batch_size} rows")
+        run = self.start_encoding(sources)
+        self.encode_blocks(run, len(self.encoder))
+        self.finish_encoding(run, cache)
+
+    def start_encoding(self, sources: list[list[int]]) -> "EncoderRun":
+        """An encoder pass over these inputs (right-padded), run a few blocks at a time by
+        encode_blocks and written into a cache by finish_encoding: encode() in steps, for a prefill
+        spread over steps. The arithmetic is encode()'s, in the same order."""
         longest = max(len(s) for s in sources)
-        cache.reserve_source(longest)  # a view of joining rows already has room (the caller reserved)
         device = self.device
         tokens = torch.tensor([s + [0] * (longest - len(s)) for s in sources], dtype=torch.int64, device=device)
         lengths = torch.tensor([len(s) for s in sources], dtype=torch.int64, device=device)
-        hidden = self.encoder_hidden(tokens, lengths)  # [B, S, D]
-        B, S = tokens.shape
+        return self.run_on_backend(self._start_encoding, tokens, lengths)
+
+    def encode_blocks(self, run: "EncoderRun", count: int) -> bool:
+        """Run up to `count` more encoder blocks; whether all have run."""
+        for block in self.encoder[run.blocks_done:run.blocks_done + count]:
+            run.x = block(run.x, run.bias, run.impl)
+            run.blocks_done += 1
+        return run.blocks_done == len(self.encoder)
+
+    def finish_encoding(self, run: "EncoderRun", cache: EncoderDecoderKVCache):
+        """The encoder's output (every block run) as each decoder layer's cross-attention keys and
+        values in the cache's rows in use (as many as the run's inputs)."""
+        hidden = self.encoder_norm(run.x, run.impl)  # [B, S, D]
+        (B, S), lengths = run.tokens.shape, run.lengths
+        cache.reserve_source(S)  # a view of joining rows already has room (the caller reserved)
         for block in self.decoder:
             k, v = block.cross.kv(hidden).view(B, S, 2, block.cross.num_heads, block.cross.d_kv).unbind(2)
             cross_k, cross_v = cache.cross_layer(block.index)
@@ -275,9 +307,11 @@ class T5ForConditionalGeneration(RunsOnBackend, KeepsParameterViews):
 
     def encoder_hidden(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The encoder's output [B, S, D] for right-padded tokens [B, S] of these lengths [B]."""
-        return self.run_on_backend(self._encoder_hidden, tokens, lengths)
+        run = self.run_on_backend(self._start_encoding, tokens, lengths)
+        self.encode_blocks(run, len(self.encoder))
+        return self.encoder_norm(run.x, run.impl)
 
-    def _encoder_hidden(self, tokens: torch.Tensor, lengths: torch.Tensor, backend: Backend) -> torch.Tensor:
+    def _start_encoding(self, tokens: torch.Tensor, lengths: torch.Tensor, backend: Backend) -> "EncoderRun":
         S, c = tokens.shape[1], self.config
         offsets = torch.arange(S, device=tokens.device)
         buckets = relative_position_bucket(offsets[None, :] - offsets[:, None], True,
@@ -285,10 +319,7 @@ class T5ForConditionalGeneration(RunsOnBackend, KeepsParameterViews):
         bias = self.encoder_bias[buckets].permute(2, 0, 1)[None]  # [1, H, S, S]
         padding = offsets[None, :] >= lengths[:, None]  # [B, S] keys past each row's input
         bias = bias.masked_fill(padding[:, None, None, :], float("-inf"))  # [B, H, S, S]
-        x = self.shared.weight[tokens].to(self.dtype)
-        for block in self.encoder:
-            x = block(x, bias, backend.impl)
-        return self.encoder_norm(x, backend.impl)
+        return EncoderRun(tokens, lengths, bias, self.shared.weight[tokens].to(self.dtype), backend.impl)
 
     # ---- the decoder ------------------------------------------------------------------------
 

@@ -199,7 +199,8 @@ def _dequantize_blocks(weight_type: WeightType, b: torch.Tensor) -> torch.Tensor
     if weight_type in (T.Q5_0, T.Q5_1):
         d = _f16(b[:, :2])[:, None]
         offset = 2 if weight_type == T.Q5_0 else 4
-        qh = b[:, offset:offset + 4].contiguous().view(torch.int32).reshape(n, 1)
+        # A fresh copy: a view of one block is "contiguous" at an odd offset, which int32 cannot view.
+        qh = b[:, offset:offset + 4].clone(memory_format=torch.contiguous_format).view(torch.int32).reshape(n, 1)
         high = (qh >> torch.arange(32, dtype=torch.int32, device=b.device)) & 1
         q = _nibbles(b[:, offset + 4:], 16).reshape(n, 32).to(torch.int32) | (high << 4)
         if weight_type == T.Q5_0:

@@ -1,5 +1,6 @@
 """A whole Llama decoder layer (or T5 decoder block, t5_decoder_block) in one C++ call, for float32
-decoding on a CPU with bfloat16-stored matrices (how the loader keeps a bfloat16 checkpoint there).
+decoding on a CPU with stored matrices: bfloat16 (how the loader keeps a bfloat16 checkpoint there)
+or, for the Llama layer, a GGUF file's blocks as stored (ops.blocks.BlockMatrix).
 
   x += o_proj(attention(rope(qkv_proj(rms_norm(x)))))
   x += down_proj(silu(gate) * up),  [gate, up] = gate_up_proj(rms_norm(x))
@@ -11,27 +12,38 @@ much as the ops (3.7 ms of the target's 9.1 ms step on a 2-core CPU, 1.6 of the 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 import torch
 
+from .blocks import BlockMatrix
+from .blocks_cpp import matrix_descriptor
+
+# A layer's matrix: a bfloat16 tensor [out, in] (one BF16 part, as BlockMatrix.from_dense would
+# view it) or a BlockMatrix.
+Matrix = Union[torch.Tensor, BlockMatrix]
+
 
 class DecoderLayerWeights(NamedTuple):
-    """One layer's parameters: matrices [out, in] bfloat16, vectors float32, all CPU and contiguous.
-    A bias or q/k norm the architecture lacks is None."""
+    """One layer's parameters: matrices [out, in] as bfloat16 tensors or BlockMatrix (each matrix
+    either; a packed one's parts may differ in type), vectors float32, all CPU and contiguous. A
+    bias or q/k norm the architecture lacks is None."""
 
     input_norm: torch.Tensor           # [hidden]
-    qkv: torch.Tensor                  # [(H + 2 * Hkv) * D, hidden], q, k and v rows packed
+    qkv: Matrix                        # [(H + 2 * Hkv) * D, hidden], q, k and v rows packed
     qkv_bias: torch.Tensor | None      # [(H + 2 * Hkv) * D]
     q_norm: torch.Tensor | None        # [D], per-head RMSNorm of q before the rotary (Qwen3)
     k_norm: torch.Tensor | None        # [D]
-    o: torch.Tensor                    # [hidden, H * D]
+    o: Matrix                          # [hidden, H * D]
     o_bias: torch.Tensor | None        # [hidden]
     post_norm: torch.Tensor            # [hidden]
-    gate_up: torch.Tensor              # [2 * intermediate, hidden], gate rows then up rows
+    gate_up: Matrix                    # [2 * intermediate, hidden], gate rows then up rows
     gate_up_bias: torch.Tensor | None  # [2 * intermediate]
-    down: torch.Tensor                 # [hidden, intermediate]
+    down: Matrix                       # [hidden, intermediate]
     down_bias: torch.Tensor | None     # [hidden]
+
+
+_MATRICES = frozenset({"qkv", "o", "gate_up", "down"})
 
 
 def _check(cond: bool, message: str):
@@ -74,7 +86,7 @@ def _checked_layer(x, weights, num_heads, num_kv_heads, head_dim, eps, cos, sin,
     _check(H >= 1 and Hkv >= 1 and H % Hkv == 0, f"num_heads ({H}) must be a multiple of num_kv_heads ({Hkv})")
     _check(D >= 2 and D % 2 == 0, f"head_dim must be even for the rotary embedding, got {D}")
     _check(eps > 0, f"eps must be > 0, got {eps}")
-    _check(weights.gate_up.dim() == 2 and weights.gate_up.shape[0] % 2 == 0,
+    _check(len(weights.gate_up.shape) == 2 and weights.gate_up.shape[0] % 2 == 0,
            f"gate_up must be [2 * intermediate, {hidden}], got {tuple(weights.gate_up.shape)}")
     inter = weights.gate_up.shape[0] // 2
     qkv_rows = (H + 2 * Hkv) * D
@@ -87,7 +99,11 @@ def _checked_layer(x, weights, num_heads, num_kv_heads, head_dim, eps, cos, sin,
         if t is None:
             _check(name.endswith("bias") or name in ("q_norm", "k_norm"), f"{name} is required")
             continue
-        dtype = torch.bfloat16 if t.dim() == 2 else torch.float32
+        if name in _MATRICES and isinstance(t, BlockMatrix):
+            _check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {tuple(t.shape)}")
+            _check(t.device.type == "cpu", f"{name} must be on the CPU, got {t.device}")
+            continue
+        dtype = torch.bfloat16 if name in _MATRICES else torch.float32
         _check(tuple(t.shape) == shape, f"{name} must be {list(shape)}, got {tuple(t.shape)}")
         _check(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous(),
                f"{name} must be a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}")
@@ -118,11 +134,16 @@ def decoder_layer_cpp(x, weights: DecoderLayerWeights, num_heads: int, num_kv_he
     def address(t: torch.Tensor | None) -> int:
         return 0 if t is None else t.data_ptr()
 
+    (input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, gate_up, gate_up_bias, down,
+     down_bias) = weights
     B, T, hidden = x.shape
-    _C.decoder_layer(x.data_ptr(), *map(address, weights), hidden, num_heads, num_kv_heads, head_dim,
-                     weights.gate_up.shape[0] // 2, eps, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                     cache_k.data_ptr(), cache_v.data_ptr(), B, T, cache_k.shape[1] - 1, cache_k.stride(0), kv_len,
-                     sliding_window or 0)
+    gate_up = matrix_descriptor(gate_up)  # (in_features, parts, type, data, rows, ...)
+    _C.decoder_layer(x.data_ptr(), address(input_norm), matrix_descriptor(qkv), address(qkv_bias), address(q_norm),
+                     address(k_norm), matrix_descriptor(o), address(o_bias), address(post_norm), gate_up,
+                     address(gate_up_bias), matrix_descriptor(down), address(down_bias), hidden, num_heads,
+                     num_kv_heads, head_dim, sum(gate_up[4::3]) // 2, eps, cos.data_ptr(), sin.data_ptr(),
+                     positions.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), B, T, cache_k.shape[1] - 1,
+                     cache_k.stride(0), kv_len, sliding_window or 0)
     return x
 
 

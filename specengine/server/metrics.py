@@ -7,7 +7,8 @@ registry of its own (not prometheus_client's global one): tests run several serv
 
 What is counted, and when:
 - as outputs are delivered (AsyncEngine's listeners see every output, a request's last one even
-  when its client has gone): prompt tokens (at a request's first output), generation tokens, time to
+  when its client has gone): prompt tokens (at a request's first output: by source, computed or
+  from the prefix cache, and the prefix cache's queries and hits), generation tokens, time to
   first token (from AsyncEngine.add_request to the first output carrying tokens), the gaps between
   a request's outputs that carry tokens (one round: 1..gamma+1 tokens; a block of rounds with
   check_every > 1);
@@ -36,8 +37,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 1
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                        5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
-# Where prompt tokens come from, as vLLM's prompt_tokens_by_source labels them. Nothing is cached
-# yet: every prompt token is computed.
+# Where prompt tokens come from, as vLLM's prompt_tokens_by_source labels them: prefilled, or copied
+# from the prefix cache (engine.prefix_cache).
 PROMPT_SOURCES = ("local_compute", "local_cache_hit")
 
 
@@ -65,7 +66,8 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=registry)
 
-        Gauge(PREFIX + "num_requests_running", "Requests decoding in the running batch.",
+        Gauge(PREFIX + "num_requests_running", "Requests holding a row of the running batch: decoding, or "
+              "being prefilled.",
               registry=registry).set_function(lambda: engine.num_running)
         Gauge(PREFIX + "num_requests_waiting", "Requests waiting for a row of the running batch.",
               registry=registry).set_function(lambda: engine.num_waiting)
@@ -75,6 +77,10 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests (counted at their first output).")
         self.prompt_tokens_by_source = counter("prompt_tokens_by_source",
                                                "Prompt tokens by where their KV came from.", ("source",))
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens of the requests, looked up in "
+                                            "the prefix cache (counted at their first output).")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens whose keys and values came from the "
+                                         "prefix cache.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.ttft = histogram("time_to_first_token_seconds",
                               "Time from a request's arrival to its first output carrying tokens.", TTFT_BUCKETS)
@@ -117,8 +123,12 @@ class ServerMetrics:
                 request = self._in_flight[out.request_id] = _InFlight(added_at=None)
             if not request.prompt_counted:
                 request.prompt_counted = True
+                cached = out.stats.cached_prompt_tokens
                 self.prompt_tokens.inc(out.stats.prompt_tokens)
-                self.prompt_tokens_by_source.labels("local_compute").inc(out.stats.prompt_tokens)
+                self.prompt_tokens_by_source.labels("local_compute").inc(out.stats.prompt_tokens - cached)
+                self.prompt_tokens_by_source.labels("local_cache_hit").inc(cached)
+                self.prefix_cache_queries.inc(out.stats.prompt_tokens)
+                self.prefix_cache_hits.inc(cached)
             if out.new_token_ids:
                 request.generation_tokens += len(out.new_token_ids)
                 self.generation_tokens.inc(len(out.new_token_ids))

@@ -19,19 +19,21 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def feed(model: Model, cache: StaticKVCache, chunks: list[list[int]],
-         cached: list[int] | None = None) -> torch.Tensor | None:
+         cached: list[int] | None = None, min_width: int = 0) -> torch.Tensor | None:
     """Append chunks[b] to row b of the cache (chunks may differ in length, even be empty).
 
     Rows are right-padded: the padding writes K/V past the row's length, where it stays
     masked until real tokens overwrite it. Advances cache.lengths by the chunk lengths.
     cached: the cache's lengths as the caller knows them on the host (saves reading them back
-    from the device). Returns the hidden state of each row's last chunk token [B, D], or None
-    when all are empty.
+    from the device). min_width: pad the call to at least this many tokens per row (a chunk of a
+    long prompt takes the GEMM path its whole prefill takes, see prefill_chunks). Returns the
+    hidden state of each row's last chunk token [B, D], or None when all are empty.
     """
     lengths = [len(c) for c in chunks]
     T = max(lengths, default=0)
     if T == 0:
         return None
+    T = max(T, min_width)
     device = model.device
     padded = [chunk + [0] * (T - len(chunk)) for chunk in chunks]
     start = cache.lengths.clone()
@@ -66,6 +68,44 @@ def append_prompts(model: Model, cache: StaticKVCache, prompts: list[list[int]],
             model.encode(rows, [sources[i] for i in group])
         if prefill:
             feed(model, rows, [prompts[i][:-1] for i in group], cached=[0] * len(group))
+
+
+def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: list[int], chunks: list[list[int]],
+                   whole: list[int]) -> list[list[int]]:
+    """Prefill a chunk of each of some staged rows (cache.staged_view): chunks[i] goes into staged
+    row rows[i] (ascending), which holds done[i] tokens of a prompt whose prefill is whole[i]
+    tokens in all. Returns the calls made, as lists of indices into rows.
+
+    A row's entries are those of its whole prompt prefilled in one call (steps of a joining
+    request are not its results' business): a call's products take the GEMM path by its tokens
+    per row (layers.linear), whose rows are computed each on its own, and attention computes each
+    query on its own over the keys before it. So a chunk of a prompt of GEMM_ROWS tokens or more
+    is fed in a call of at least GEMM_ROWS tokens per row (padded), with other such chunks of
+    consecutive rows and similar lengths; a shorter prompt whole, in a call of its own (the
+    few-row products of a float32 matrix were not the same for every row count).
+    Each row's length is set from `done` first: a padded bucket of fixed-shape steps may have
+    moved a staged row's length (see layers.kv_cache)."""
+    calls: list[list[int]] = []
+    longest = real = 0
+    for i, (chunk, n) in enumerate(zip(chunks, whole)):
+        size = len(chunk)
+        if calls:
+            last = calls[-1]
+            grown = max(longest, size)
+            if (rows[i] == rows[last[-1]] + 1 and n >= GEMM_ROWS and whole[last[0]] >= GEMM_ROWS
+                    and (len(last) + 1) * grown <= real + size + max((real + size) // 4, 64)):
+                last.append(i)
+                longest, real = grown, real + size
+                continue
+        calls.append([i])
+        longest = real = size
+    for call in calls:
+        view = cache.staged_view(rows[call[0]], len(call))
+        cached = [done[i] for i in call]
+        view.lengths.copy_(to_device(cached, torch.int64, model.device))
+        feed(model, view, [chunks[i] for i in call], cached,
+             min_width=GEMM_ROWS if whole[call[0]] >= GEMM_ROWS else 0)
+    return calls
 
 
 def _similar_lengths(lengths: list[int]) -> list[list[int]]:

@@ -1,0 +1,967 @@
+// Products and lookups over matrices stored as ggml blocks (see blocks.h).
+//
+// Decoding streams every weight once per step, so the bytes read set the speed, and a block
+// format reads fewer of them than bfloat16 (Q4_1: 5 bits a weight against 16). What it costs
+// instead is the arithmetic that turns a block into float32 weights, paid once per weight per
+// row tile: a group of 4 weight rows has its blocks' scales converted once, then its blocks are
+// dequantized into registers and multiplied against a tile of up to 4 rows of x at once (again
+// per tile, from L1, up to kDirectRows rows), or, past kDirectRows rows, dequantized once into
+// an L1 buffer that the tiles run over.
+//
+// The 4- and 5-bit formats dequantize through a table: a block's (or sub-block's) weights take
+// only 16 (32) values, d * q + m for q = 0..15, one 512-bit register (two) built by one FMA,
+// which is exact here (see exact_affine); each weight is then a lookup (vpermps; vpermt2ps)
+// indexed by its nibble, which ignores the bits above the index, so nibbles need no masking.
+//
+// Every path (AVX-512, AVX2, portable) sums a row's products in one order of its own, the same
+// for any R and whether its weights came from registers or the buffer: per (row of x, weight
+// row), a vector of partial sums over k in steps of its width, reduced in a fixed order, then
+// the float types' tail past the last 32 weights, then the bias. So a row's result does not
+// depend on the rows beside it (blocks.h: batch invariance).
+#include "blocks.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_features.h"
+#include "linear.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace specengine {
+
+int64_t block_weights(int64_t type) {
+  switch (static_cast<WeightType>(type)) {
+    case WeightType::F32: case WeightType::F16: case WeightType::BF16: return 1;
+    case WeightType::Q4_0: case WeightType::Q4_1: case WeightType::Q5_0: case WeightType::Q5_1:
+    case WeightType::Q8_0: return 32;
+    case WeightType::Q4_K: case WeightType::Q5_K: case WeightType::Q6_K: return 256;
+  }
+  return 0;
+}
+
+int64_t block_bytes(int64_t type) {
+  switch (static_cast<WeightType>(type)) {
+    case WeightType::F32: return 4;
+    case WeightType::F16: case WeightType::BF16: return 2;
+    case WeightType::Q4_0: return 18;
+    case WeightType::Q4_1: return 20;
+    case WeightType::Q5_0: return 22;
+    case WeightType::Q5_1: return 24;
+    case WeightType::Q8_0: return 34;
+    case WeightType::Q4_K: return 144;
+    case WeightType::Q5_K: return 176;
+    case WeightType::Q6_K: return 210;
+  }
+  return 0;
+}
+
+namespace {
+
+#define SPECENGINE_INLINE inline __attribute__((always_inline))
+
+// How far ahead of the block being dequantized its thread's weight stream is prefetched, into
+// L2: linear.cpp's distance, tuned for the same kind of stream on the same kind of machine.
+constexpr int64_t kPrefetchBytes = 16384;
+// Rows of x up to which blocks are dequantized into registers, again for each tile of 4 rows;
+// from kDirectRows + 1 rows on, a group's rows are dequantized once into an L1 buffer first.
+// On the 2-core Zen 5 VM this was tuned on (SmolLM2's Q4_1 matrices, one thread), tiles from
+// registers took 15-19 ms a pass at 6-8 rows where the buffer took 22-30, and about the same
+// at 16.
+constexpr int64_t kDirectRows = 16;
+// Weight rows per group: dequantized together, each thread's rows a whole number of groups.
+constexpr int64_t kGroupRows = 4;
+// The products' vectors of partial sums cover k in steps of 32 weights (a legacy block); the
+// float types' last K % 32 weights are summed one by one.
+constexpr int64_t kStep = 32;
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// IEEE half -> float, exact (as numpy's astype(float32)), with no F16C.
+SPECENGINE_INLINE float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  if (exponent == 0x1F) return bits_to_float(sign | 0x7F800000u | (mantissa << 13));
+  if (exponent != 0) return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // * 2^-24, exact
+  return sign ? -magnitude : magnitude;
+}
+
+SPECENGINE_INLINE float bf16_to_float(uint16_t bits) { return bits_to_float(static_cast<uint32_t>(bits) << 16); }
+
+// Q4_K and Q5_K's 6-bit sub-block scales and mins from their 12 bytes (gguf's get_scale_min).
+SPECENGINE_INLINE void scale_min_k4(const uint8_t* s, int sc[8], int m[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    m[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// ---- portable dequantization: one block -> its weights, gguf's float32 operations in order ----
+
+template <WeightType T>
+SPECENGINE_INLINE void dequantize_block(const uint8_t* b, float* out) {
+  if constexpr (T == WeightType::F32) {
+    std::memcpy(out, b, 4);
+  } else if constexpr (T == WeightType::F16) {
+    out[0] = f16_to_float(load_u16(b));
+  } else if constexpr (T == WeightType::BF16) {
+    out[0] = bf16_to_float(load_u16(b));
+  } else if constexpr (T == WeightType::Q8_0) {
+    const float d = f16_to_float(load_u16(b));
+    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(static_cast<int8_t>(b[2 + i])) * d;
+  } else if constexpr (T == WeightType::Q4_0) {
+    const float d = f16_to_float(load_u16(b));
+    for (int i = 0; i < 16; ++i) {
+      out[i] = d * static_cast<float>((b[2 + i] & 0x0F) - 8);
+      out[i + 16] = d * static_cast<float>((b[2 + i] >> 4) - 8);
+    }
+  } else if constexpr (T == WeightType::Q4_1) {
+    const float d = f16_to_float(load_u16(b)), m = f16_to_float(load_u16(b + 2));
+    for (int i = 0; i < 16; ++i) {
+      out[i] = d * static_cast<float>(b[4 + i] & 0x0F) + m;
+      out[i + 16] = d * static_cast<float>(b[4 + i] >> 4) + m;
+    }
+  } else if constexpr (T == WeightType::Q5_0 || T == WeightType::Q5_1) {
+    constexpr int offset = T == WeightType::Q5_0 ? 2 : 4;
+    const float d = f16_to_float(load_u16(b));
+    const uint32_t qh = load_u32(b + offset);
+    const uint8_t* qs = b + offset + 4;
+    for (int i = 0; i < 16; ++i) {
+      const int lo = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4), hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+      if constexpr (T == WeightType::Q5_0) {
+        out[i] = d * static_cast<float>(lo - 16);
+        out[i + 16] = d * static_cast<float>(hi - 16);
+      } else {
+        const float m = f16_to_float(load_u16(b + 2));
+        out[i] = d * static_cast<float>(lo) + m;
+        out[i + 16] = d * static_cast<float>(hi) + m;
+      }
+    }
+  } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
+    const float d = f16_to_float(load_u16(b)), dmin = f16_to_float(load_u16(b + 2));
+    int sc[8], m[8];
+    scale_min_k4(b + 4, sc, m);
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (T == WeightType::Q4_K ? 16 : 48);
+    for (int j = 0; j < 8; ++j) {
+      const float scale = d * static_cast<float>(sc[j]), shift = dmin * static_cast<float>(m[j]);
+      for (int l = 0; l < 32; ++l) {
+        int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
+        if constexpr (T == WeightType::Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+        out[32 * j + l] = scale * static_cast<float>(q) - shift;
+      }
+    }
+  } else if constexpr (T == WeightType::Q6_K) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const float d = f16_to_float(load_u16(b + 208));
+    for (int g = 0; g < 16; ++g) {
+      const float scale = d * static_cast<float>(static_cast<int8_t>(b[192 + g]));
+      for (int l16 = 0; l16 < 16; ++l16) {
+        const int i = 16 * g + l16, half = i / 128, group = (i % 128) / 32, l = i % 32;
+        const int low = (ql[64 * half + 32 * (group & 1) + l] >> (4 * (group >> 1))) & 0x0F;
+        const int high = (qh[32 * half + l] >> (2 * group)) & 3;
+        out[i] = scale * static_cast<float>((low | (high << 4)) - 32);
+      }
+    }
+  }
+}
+
+template <WeightType T>
+SPECENGINE_INLINE void dequantize_row_portable(const uint8_t* row, int64_t K, float* out) {
+  const int64_t weights = block_weights(static_cast<int64_t>(T)), bytes = block_bytes(static_cast<int64_t>(T));
+  for (int64_t b = 0; b < K / weights; ++b) dequantize_block<T>(row + b * bytes, out + b * weights);
+}
+
+// The weight k of a float-type row (the tail past the last whole step).
+SPECENGINE_INLINE float float_weight(WeightType type, const uint8_t* row, int64_t k) {
+  switch (type) {
+    case WeightType::F32: {
+      float f;
+      std::memcpy(&f, row + 4 * k, 4);
+      return f;
+    }
+    case WeightType::F16: return f16_to_float(load_u16(row + 2 * k));
+    case WeightType::BF16: return bf16_to_float(load_u16(row + 2 * k));
+    default: return 0.f;  // block types have no tail: K is a multiple of their 32 or 256
+  }
+}
+
+// The sum of one row's vector partial sums (already reduced) with its tail and bias: the end
+// every path shares, so that the order is the same wherever the first part came from.
+SPECENGINE_INLINE float finish(float sum, const float* xr, const uint8_t* row, WeightType type, int64_t K32, int64_t K,
+                               const float* bias, int64_t n) {
+  for (int64_t k = K32; k < K; ++k) sum += xr[k] * float_weight(type, row, k);
+  return sum + (bias ? bias[n] : 0.f);
+}
+
+// Where one thread's work lies: its rows [begin, end) of one part, written at out[:, column +
+// (n - begin)] (out's rows N apart) with bias[column + ...].
+struct Slice {
+  const float* x;
+  const float* x_lanes;  // AVX-512: x [R, K32] in lane order (see Avx512Blocks), where a part needs it
+  float* scratch;        // AVX-512: this thread's room for a group's scales (K / 2 + 16 floats)
+  int64_t R, K, K32;
+  WeightType type;
+  const uint8_t* data;  // the part's rows
+  int64_t row_bytes, begin, end;
+  const float* bias;  // at the part's first row, or nullptr
+  float* out;         // at the part's first row's column
+  int64_t N;
+};
+
+// ---- portable path ---------------------------------------------------------------------------
+
+// Sixteen partial sums per (row of x, weight row), mirroring the AVX-512 vectors.
+void tile_portable(const Slice& s, const float* w, int64_t cols, int64_t r0, int64_t rows, int64_t n0) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = s.x + (r0 + i) * s.K;
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc[16] = {};
+      const float* wj = w + j * s.K32;
+      for (int64_t k = 0; k < s.K32; k += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += xr[k + l] * wj[k + l];
+      for (int width = 8; width >= 1; width /= 2)
+        for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+      const int64_t n = n0 + j;
+      s.out[(r0 + i) * s.N + n] = finish(acc[0], xr, s.data + n * s.row_bytes, s.type, s.K32, s.K, s.bias, n);
+    }
+  }
+}
+
+template <WeightType T>
+void slice_portable(const Slice& s, float* buffer) {
+  for (int64_t n = s.begin; n < s.end; n += kGroupRows) {
+    const int64_t cols = std::min(kGroupRows, s.end - n);
+    for (int64_t j = 0; j < cols; ++j)
+      dequantize_row_portable<T>(s.data + (n + j) * s.row_bytes, s.K32, buffer + j * s.K32);
+    tile_portable(s, buffer, cols, 0, s.R, n);
+  }
+}
+
+// ---- AVX2 path: blocks dequantized by the portable code into a buffer, AVX2/FMA products ----
+
+#ifdef SPECENGINE_X86
+#define BLOCKS_AVX2 __attribute__((target("avx2,fma")))
+
+template <int ROWS, int COLS>
+BLOCKS_AVX2 void tile_avx2(const Slice& s, const float* w, int64_t r0, int64_t n0) {
+  __m256 acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < s.K32; k += 8) {
+    __m256 wv[COLS];
+    for (int j = 0; j < COLS; ++j) wv[j] = _mm256_loadu_ps(w + j * s.K32 + k);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m256 xv = _mm256_loadu_ps(s.x + (r0 + i) * s.K + k);
+      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) {
+      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
+      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+      v = _mm_add_ss(v, _mm_movehdup_ps(v));
+      const int64_t n = n0 + j;
+      s.out[(r0 + i) * s.N + n] =
+          finish(_mm_cvtss_f32(v), s.x + (r0 + i) * s.K, s.data + n * s.row_bytes, s.type, s.K32, s.K, s.bias, n);
+    }
+}
+
+template <int COLS>
+BLOCKS_AVX2 void rows_avx2(const Slice& s, const float* w, int64_t n0) {
+  int64_t r = 0;
+  for (; r + 2 <= s.R; r += 2) tile_avx2<2, COLS>(s, w, r, n0);
+  if (r < s.R) tile_avx2<1, COLS>(s, w, r, n0);
+}
+
+template <WeightType T>
+BLOCKS_AVX2 void slice_avx2(const Slice& s, float* buffer) {
+  for (int64_t n = s.begin; n < s.end; n += kGroupRows) {
+    const int64_t cols = std::min(kGroupRows, s.end - n);
+    for (int64_t j = 0; j < cols; ++j)
+      dequantize_row_portable<T>(s.data + (n + j) * s.row_bytes, s.K32, buffer + j * s.K32);
+    if (cols == kGroupRows) {
+      rows_avx2<kGroupRows>(s, buffer, n);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) rows_avx2<1>(s, buffer + j * s.K32, n + j);
+    }
+  }
+}
+
+// ---- AVX-512 path ----------------------------------------------------------------------------
+// (F16C for the scale fields: every CPU with AVX-512 has it.)
+#define BLOCKS_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define BLOCKS_AVX512_INLINE BLOCKS_AVX512 SPECENGINE_INLINE
+
+bool use_blocks_avx512() {
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  return f16c && use_avx512();
+}
+
+// What bounded these loops on the 2-core AVX-512 (Zen 5) VM they were tuned on was shuffles:
+// vpermps lookups, broadcasts of scales from registers and vpmovzxbd widenings, against two
+// 512-bit FMAs a cycle (leaving out the lookups and the scale broadcasts of Q4_1 doubled the
+// rate of 1-4 rows, in L2). So a block's scales are converted ahead into a small float array and
+// broadcast from memory (a load, folded into the FMA that builds a table), and a block's bytes
+// are spread over the 16 lanes by a 128-bit broadcast load and a per-lane shift (vpsrlvd),
+// not widened: lane l of a vector of 16 weights then holds byte kLaneByte[l] = 4 (l % 4) + l / 4
+// of its 16 (dword l % 4, shifted right by 8 (l / 4) bits). Those weights come in "lane order",
+// and x is given to them in the same order (Slice::x_lanes); the order is an involution, so the
+// same permutation restores the natural one (dequantize_rows).
+BLOCKS_AVX512_INLINE __m512i lane_bytes() {
+  return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+BLOCKS_AVX512_INLINE __m512i lane_shifts(int extra) {
+  return _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24),
+                          _mm512_set1_epi32(extra));
+}
+
+// The 16 bytes at p in lane order, each in its lane's low bits (garbage above them), shifted
+// right by `extra` bits more (4: the high nibbles).
+BLOCKS_AVX512_INLINE __m512i bytes_in_lanes(const uint8_t* p, int extra) {
+  return _mm512_srlv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                           lane_shifts(extra));
+}
+
+BLOCKS_AVX512_INLINE __m512 iota_ps(float start) {
+  return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(start));
+}
+
+// Two float16 fields side by side (a block's d and m, or d and dmin) -> float32 lanes 0 and 1.
+BLOCKS_AVX512_INLINE __m128 f16_pair(const uint8_t* p) { return _mm_cvtph_ps(_mm_cvtsi32_si128(load_u32(p))); }
+
+// index's bits 0-3 from `low`, bit 4 from bit 0 of `bit` (bits above 4 are garbage: the 5-bit
+// lookups ignore them).
+BLOCKS_AVX512_INLINE __m512i five_bit_index(__m512i low, __m512i bit) {
+  return _mm512_ternarylogic_epi32(low, _mm512_slli_epi32(bit, 4), _mm512_set1_epi32(0x0F), 0xE4);  // c ? a : b
+}
+
+// A format's blocks in 512-bit registers:
+//   scales(b, s)          the block's kScales float32 scales, written to s (converted once, ahead)
+//   group(s, b, g, lo, hi) its weights 32 g .. 32 g + 31 (g < kGroups), lane order if kLanes
+// The float types are taken as "blocks" of 32 weights.
+template <WeightType T>
+struct Avx512Blocks;
+
+template <>
+struct Avx512Blocks<WeightType::F32> {
+  static constexpr int64_t kWeights = 32, kBytes = 128, kGroups = 1, kScales = 0;
+  static constexpr bool kLanes = false;
+  static constexpr int kCols = 4;
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t*, float*) {}
+  BLOCKS_AVX512_INLINE static void group(const float*, const uint8_t* b, int, __m512& lo, __m512& hi) {
+    lo = _mm512_loadu_ps(b);
+    hi = _mm512_loadu_ps(b + 64);
+  }
+};
+
+template <>
+struct Avx512Blocks<WeightType::F16> {
+  static constexpr int64_t kWeights = 32, kBytes = 64, kGroups = 1, kScales = 0;
+  static constexpr bool kLanes = false;
+  static constexpr int kCols = 4;
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t*, float*) {}
+  BLOCKS_AVX512_INLINE static void group(const float*, const uint8_t* b, int, __m512& lo, __m512& hi) {
+    lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
+  }
+};
+
+template <>
+struct Avx512Blocks<WeightType::BF16> {
+  static constexpr int64_t kWeights = 32, kBytes = 64, kGroups = 1, kScales = 0;
+  static constexpr bool kLanes = false;
+  static constexpr int kCols = 4;
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t*, float*) {}
+  BLOCKS_AVX512_INLINE static __m512 widen(const uint8_t* p) {
+    const __m512i raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  }
+  BLOCKS_AVX512_INLINE static void group(const float*, const uint8_t* b, int, __m512& lo, __m512& hi) {
+    lo = widen(b);
+    hi = widen(b + 32);
+  }
+};
+
+template <>
+struct Avx512Blocks<WeightType::Q8_0> {
+  static constexpr int64_t kWeights = 32, kBytes = 34, kGroups = 1, kScales = 1;
+  static constexpr bool kLanes = false;
+  static constexpr int kCols = 4;
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b)); }
+  BLOCKS_AVX512_INLINE static __m512 widen(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
+    lo = _mm512_mul_ps(widen(b + 2), _mm512_set1_ps(s[0]));  // gguf: q * d
+    hi = _mm512_mul_ps(widen(b + 18), _mm512_set1_ps(s[0]));
+  }
+};
+
+// Q4_0 and Q4_1: a table of the block's 16 values, looked up by nibble.
+template <>
+struct Avx512Blocks<WeightType::Q4_0> {
+  static constexpr int64_t kWeights = 32, kBytes = 18, kGroups = 1, kScales = 1;
+  static constexpr bool kLanes = true;
+  static constexpr int kCols = 4;
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b)); }
+  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
+    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(s[0]), iota_ps(-8.f));  // d * (q - 8)
+    lo = _mm512_permutexvar_ps(bytes_in_lanes(b + 2, 0), table);
+    hi = _mm512_permutexvar_ps(bytes_in_lanes(b + 2, 4), table);
+  }
+};
+
+// d * q + m with one rounding: d * q is exact in float32 (d a float16, 11 significant bits; q < 32,
+// 5 bits), so the fused form is bit for bit gguf's two roundings, in one instruction.
+BLOCKS_AVX512_INLINE __m512 exact_affine(__m512 d, __m512 q, __m512 m) { return _mm512_fmadd_ps(d, q, m); }
+
+template <>
+struct Avx512Blocks<WeightType::Q4_1> {
+  static constexpr int64_t kWeights = 32, kBytes = 20, kGroups = 1, kScales = 2;
+  static constexpr bool kLanes = true;
+  static constexpr int kCols = 4;
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
+    _mm_storel_pi(reinterpret_cast<__m64*>(s), f16_pair(b));  // d, m
+  }
+  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
+    const __m512 table = exact_affine(_mm512_set1_ps(s[0]), iota_ps(0.f), _mm512_set1_ps(s[1]));
+    lo = _mm512_permutexvar_ps(bytes_in_lanes(b + 4, 0), table);
+    hi = _mm512_permutexvar_ps(bytes_in_lanes(b + 4, 4), table);
+  }
+};
+
+// Q5_0 and Q5_1: 32 values in two registers (vpermt2ps takes a 5-bit index), the fifth bit of
+// weight i being bit i of the block's qh word.
+template <WeightType T>
+struct Avx512Q5 {
+  static constexpr int64_t kWeights = 32, kBytes = T == WeightType::Q5_0 ? 22 : 24, kGroups = 1, kScales = 2;
+  static constexpr bool kLanes = true;
+  static constexpr int kCols = 4;
+  static constexpr int kOffset = T == WeightType::Q5_0 ? 2 : 4;
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
+    _mm_storel_pi(reinterpret_cast<__m64*>(s), f16_pair(b));  // d, m (Q5_0: m is qh's bytes, unused)
+  }
+  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
+    const __m512 d = _mm512_set1_ps(s[0]);
+    __m512 low, high;  // the values of q = 0..15 and 16..31
+    if constexpr (T == WeightType::Q5_0) {
+      low = _mm512_mul_ps(d, iota_ps(-16.f));
+      high = _mm512_mul_ps(d, iota_ps(0.f));
+    } else {
+      low = exact_affine(d, iota_ps(0.f), _mm512_set1_ps(s[1]));
+      high = exact_affine(d, iota_ps(16.f), _mm512_set1_ps(s[1]));
+    }
+    const __m512i qh = _mm512_set1_epi32(static_cast<int>(load_u32(b + kOffset)));
+    const __m512i byte = lane_bytes();  // weight kLaneByte[l] (and 16 + that) of lane l
+    const __m512i lo_index = five_bit_index(bytes_in_lanes(b + kOffset + 4, 0), _mm512_srlv_epi32(qh, byte));
+    const __m512i hi_index = five_bit_index(bytes_in_lanes(b + kOffset + 4, 4),
+                                            _mm512_srlv_epi32(qh, _mm512_add_epi32(byte, _mm512_set1_epi32(16))));
+    lo = _mm512_permutex2var_ps(low, lo_index, high);
+    hi = _mm512_permutex2var_ps(low, hi_index, high);
+  }
+};
+template <>
+struct Avx512Blocks<WeightType::Q5_0> : Avx512Q5<WeightType::Q5_0> {};
+template <>
+struct Avx512Blocks<WeightType::Q5_1> : Avx512Q5<WeightType::Q5_1> {};
+
+// Q4_K and Q5_K: 8 sub-blocks of 32, each with its scale d * sc and shift dmin * m, and its own
+// table. scales: s[0..7] the scales, s[8..15] the shifts.
+template <WeightType T>
+struct Avx512K4 {
+  static constexpr int64_t kWeights = 256, kBytes = T == WeightType::Q4_K ? 144 : 176, kGroups = 8, kScales = 16;
+  static constexpr bool kLanes = true;
+  static constexpr int kCols = 4;
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
+    // The 12 scale bytes as words of four 6-bit fields each (ggml's unpacking).
+    const uint32_t w0 = load_u32(b + 4), w1 = load_u32(b + 8), w2 = load_u32(b + 12);
+    const uint32_t sc_lo = w0 & 0x3F3F3F3Fu, m_lo = w1 & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+    const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo),
+                       static_cast<int>(m_hi))));
+    const __m512 d_dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                _mm512_castps128_ps512(f16_pair(b)));
+    _mm512_storeu_ps(s, _mm512_mul_ps(d_dmin, fields));  // d * sc, dmin * m
+  }
+  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int g, __m512& lo, __m512& hi) {
+    // (d * sc) * q - dmin * m: d * sc (17 significant bits) times q (5) is exact, so one rounding
+    // (fused) is gguf's two.
+    const __m512 scale = _mm512_set1_ps(s[g]), shift = _mm512_set1_ps(s[8 + g]);
+    const __m512 table0 = _mm512_fmsub_ps(scale, iota_ps(0.f), shift);
+    const uint8_t* qs = b + (T == WeightType::Q4_K ? 16 : 48) + 32 * (g / 2);
+    const int nibble = 4 * (g % 2);
+    const __m512i q0 = bytes_in_lanes(qs, nibble), q1 = bytes_in_lanes(qs + 16, nibble);
+    if constexpr (T == WeightType::Q4_K) {
+      lo = _mm512_permutexvar_ps(q0, table0);
+      hi = _mm512_permutexvar_ps(q1, table0);
+    } else {
+      const __m512 table1 = _mm512_fmsub_ps(scale, iota_ps(16.f), shift);
+      // Bit g of qh byte kLaneByte[l] (of the first or second 16) in lane l.
+      const __m512i h0 = bytes_in_lanes(b + 16, g), h1 = bytes_in_lanes(b + 32, g);
+      lo = _mm512_permutex2var_ps(table0, five_bit_index(q0, h0), table1);
+      hi = _mm512_permutex2var_ps(table0, five_bit_index(q1, h1), table1);
+    }
+  }
+};
+template <>
+struct Avx512Blocks<WeightType::Q4_K> : Avx512K4<WeightType::Q4_K> {};
+template <>
+struct Avx512Blocks<WeightType::Q5_K> : Avx512K4<WeightType::Q5_K> {};
+
+// Q6_K: 16 scales d * scale[i], one per 16 weights; q = low nibble | 2 high bits << 4, minus 32.
+template <>
+struct Avx512Blocks<WeightType::Q6_K> {
+  static constexpr int64_t kWeights = 256, kBytes = 210, kGroups = 8, kScales = 16;
+  static constexpr bool kLanes = true;
+  static constexpr int kCols = 2;  // 4 x 4 tiles spilled registers
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b + 208)));
+    const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    _mm512_storeu_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(scales)));
+  }
+  // Weights 16 part .. 16 part + 15 of group g (0..7): 128 weights per half of the block, 4 groups each.
+  BLOCKS_AVX512_INLINE static __m512 sixteen(const float* s, const uint8_t* b, int g, int part) {
+    const int half = g / 4, k = g % 4;
+    const __m512i low = bytes_in_lanes(b + 64 * half + 32 * (k & 1) + 16 * part, 4 * (k >> 1));
+    const __m512i qh = bytes_in_lanes(b + 128 + 32 * half + 16 * part, 0);
+    const __m512i high = k < 3 ? _mm512_slli_epi32(qh, 4 - 2 * k) : _mm512_srli_epi32(qh, 2);  // bits 2k, 2k+1 -> 4, 5
+    const __m512i q = _mm512_and_si512(_mm512_ternarylogic_epi32(low, high, _mm512_set1_epi32(0x0F), 0xE4),
+                                       _mm512_set1_epi32(0x3F));
+    return _mm512_mul_ps(_mm512_set1_ps(s[2 * g + part]),
+                         _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))));
+  }
+  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int g, __m512& lo, __m512& hi) {
+    lo = sixteen(s, b, g, 0);
+    hi = sixteen(s, b, g, 1);
+  }
+};
+
+bool lane_order(WeightType type) {
+  switch (type) {
+    case WeightType::F32: return Avx512Blocks<WeightType::F32>::kLanes;
+    case WeightType::F16: return Avx512Blocks<WeightType::F16>::kLanes;
+    case WeightType::BF16: return Avx512Blocks<WeightType::BF16>::kLanes;
+    case WeightType::Q4_0: return Avx512Blocks<WeightType::Q4_0>::kLanes;
+    case WeightType::Q4_1: return Avx512Blocks<WeightType::Q4_1>::kLanes;
+    case WeightType::Q5_0: return Avx512Blocks<WeightType::Q5_0>::kLanes;
+    case WeightType::Q5_1: return Avx512Blocks<WeightType::Q5_1>::kLanes;
+    case WeightType::Q8_0: return Avx512Blocks<WeightType::Q8_0>::kLanes;
+    case WeightType::Q4_K: return Avx512Blocks<WeightType::Q4_K>::kLanes;
+    case WeightType::Q5_K: return Avx512Blocks<WeightType::Q5_K>::kLanes;
+    case WeightType::Q6_K: return Avx512Blocks<WeightType::Q6_K>::kLanes;
+  }
+  return false;
+}
+
+// x [R, K] -> [R, K32], each run of 16 in lane order.
+BLOCKS_AVX512 std::vector<float> x_in_lanes(const float* x, int64_t R, int64_t K, int64_t K32) {
+  std::vector<float> lanes(static_cast<size_t>(R * K32));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K32; k += 16)
+      _mm512_storeu_ps(lanes.data() + r * K32 + k, _mm512_permutexvar_ps(lane_bytes(), _mm512_loadu_ps(x + r * K + k)));
+  return lanes;
+}
+
+// The sums of four vectors, in lanes 0-3 (a's, b's, c's, d's): each reduced by the tree of
+// _mm512_reduce_add_ps (lane l with l + 8, then l + 4, l + 2, l + 1), so a sum is the same
+// bits whichever way it was reduced, four at a time or alone.
+BLOCKS_AVX512_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(
+      _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v));
+}
+
+// out[r0 + i, n0 + j] from the tile's partial sums: reduced, plus the float types' tail, plus bias.
+template <int ROWS, int COLS>
+BLOCKS_AVX512_INLINE void store_tile(const Slice& s, const __m512 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
+  if (s.K32 < s.K) {  // a tail (float types only): one by one
+    const float* x = s.x + r0 * s.K;
+    for (int i = 0; i < ROWS; ++i)
+      for (int j = 0; j < COLS; ++j) {
+        const int64_t n = n0 + j;
+        s.out[(r0 + i) * s.N + n] = finish(_mm512_reduce_add_ps(acc[i][j]), x + i * s.K, s.data + n * s.row_bytes,
+                                           s.type, s.K32, s.K, s.bias, n);
+      }
+    return;
+  }
+  const __m512 zero = _mm512_setzero_ps();
+  for (int i = 0; i < ROWS; ++i) {
+    float* out = s.out + (r0 + i) * s.N + n0;
+    for (int j = 0; j < COLS; j += 4) {
+      const __m128 sums = reduce4(acc[i][j], j + 1 < COLS ? acc[i][j + 1] : zero, j + 2 < COLS ? acc[i][j + 2] : zero,
+                                  j + 3 < COLS ? acc[i][j + 3] : zero);
+      if (COLS - j >= 4) {
+        _mm_storeu_ps(out + j, _mm_add_ps(sums, s.bias ? _mm_loadu_ps(s.bias + n0 + j) : _mm_setzero_ps()));
+      } else {
+        alignas(16) float lanes[4];
+        _mm_store_ps(lanes, sums);
+        for (int jj = j; jj < COLS; ++jj) out[jj] = lanes[jj - j] + (s.bias ? s.bias[n0 + jj] : 0.f);
+      }
+    }
+  }
+}
+
+// Rows [r0, r0 + ROWS) of x against COLS weight rows from n0, blocks dequantized into
+// registers; `scales` holds the blocks' scales (group_scales).
+template <WeightType T, int ROWS, int COLS>
+BLOCKS_AVX512 void tile_direct(const Slice& s, int64_t r0, int64_t n0, const float* scales) {
+  using D = Avx512Blocks<T>;
+  const uint8_t* w = s.data + n0 * s.row_bytes;
+  const int64_t xs = D::kLanes ? s.K32 : s.K;  // x's row stride
+  const float* x = (D::kLanes ? s.x_lanes : s.x) + r0 * xs;
+  const int64_t blocks = s.K32 / D::kWeights;
+  // The group's rows are contiguous: its stream kPrefetchBytes ahead is prefetched in equal
+  // steps, COLS * kBytes a block (each line about once, with no test per block), by the first
+  // row tile.
+  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  __m512 acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    if (r0 == 0)
+      for (int64_t offset = 0; offset < COLS * D::kBytes; offset += 64)
+        _mm_prefetch(ahead + blk * COLS * D::kBytes + offset, _MM_HINT_T1);
+#pragma GCC unroll 8
+    for (int g = 0; g < D::kGroups; ++g) {
+      const int64_t k = blk * D::kWeights + 32 * g;
+      __m512 x_lo[ROWS], x_hi[ROWS];  // loaded once for all COLS weight rows
+      for (int i = 0; i < ROWS; ++i) {
+        x_lo[i] = _mm512_loadu_ps(x + i * xs + k);
+        x_hi[i] = _mm512_loadu_ps(x + i * xs + k + 16);
+      }
+      for (int j = 0; j < COLS; ++j) {
+        __m512 lo, hi;
+        D::group(scales + (j * blocks + blk) * D::kScales, w + j * s.row_bytes + blk * D::kBytes, g, lo, hi);
+        for (int i = 0; i < ROWS; ++i) {
+          acc[i][j] = _mm512_fmadd_ps(x_lo[i], lo, acc[i][j]);
+          acc[i][j] = _mm512_fmadd_ps(x_hi[i], hi, acc[i][j]);
+        }
+      }
+    }
+  }
+  store_tile<ROWS, COLS>(s, acc, r0, n0);
+}
+
+// All R (<= kDirectRows) rows of x against COLS weight rows from n0, in tiles of up to 4 rows:
+// first the blocks' scales, converted once into s.scratch, then each tile dequantizing the
+// blocks again (from L1: cheaper than a round trip through a buffer).
+template <WeightType T, int COLS>
+BLOCKS_AVX512 void columns_direct(const Slice& s, int64_t n0) {
+  using D = Avx512Blocks<T>;
+  const uint8_t* w = s.data + n0 * s.row_bytes;
+  const int64_t blocks = s.K32 / D::kWeights;
+  float* scales = s.scratch;
+  if constexpr (D::kScales > 0)
+    for (int j = 0; j < COLS; ++j)
+      for (int64_t blk = 0; blk < blocks; ++blk)
+        D::scales(w + j * s.row_bytes + blk * D::kBytes, scales + (j * blocks + blk) * D::kScales);
+  if constexpr (COLS == 8) {  // one row of x (decoding): eight FMA chains
+    return tile_direct<T, 1, COLS>(s, 0, n0, scales);
+  } else {
+    int64_t r = 0;
+    for (; r + 4 <= s.R; r += 4) tile_direct<T, 4, COLS>(s, r, n0, scales);
+    switch (s.R - r) {
+      case 3: return tile_direct<T, 3, COLS>(s, r, n0, scales);
+      case 2: return tile_direct<T, 2, COLS>(s, r, n0, scales);
+      case 1: return tile_direct<T, 1, COLS>(s, r, n0, scales);
+      default: return;
+    }
+  }
+}
+
+// ROWS rows of x (row stride xs) against COLS dequantized weight rows w [COLS, K32] (the buffer):
+// the same sums in the same order as tile_direct.
+template <int ROWS, int COLS>
+BLOCKS_AVX512 void tile_buffered(const Slice& s, const float* x, int64_t xs, const float* w, int64_t r0, int64_t n0) {
+  __m512 acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
+  x += r0 * xs;
+  for (int64_t k = 0; k < s.K32; k += 16) {
+    __m512 wv[COLS];
+    for (int j = 0; j < COLS; ++j) wv[j] = _mm512_loadu_ps(w + j * s.K32 + k);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * xs + k);
+      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  store_tile<ROWS, COLS>(s, acc, r0, n0);
+}
+
+template <int COLS>
+BLOCKS_AVX512 void columns_buffered(const Slice& s, const float* x, int64_t xs, const float* w, int64_t n0) {
+  int64_t r = 0;
+  for (; r + 4 <= s.R; r += 4) tile_buffered<4, COLS>(s, x, xs, w, r, n0);
+  switch (s.R - r) {
+    case 3: tile_buffered<3, COLS>(s, x, xs, w, r, n0); break;
+    case 2: tile_buffered<2, COLS>(s, x, xs, w, r, n0); break;
+    case 1: tile_buffered<1, COLS>(s, x, xs, w, r, n0); break;
+    default: break;
+  }
+}
+
+// Weights [0, K32) of `cols` weight rows into out [cols, K32]: in lane order where the format
+// has one, unless `natural`.
+template <WeightType T, bool natural>
+BLOCKS_AVX512 void dequantize_avx512(const uint8_t* row, int64_t row_bytes, int64_t cols, int64_t K32, float* out) {
+  using D = Avx512Blocks<T>;
+  alignas(64) float scales[D::kScales > 0 ? D::kScales : 1];
+  for (int64_t j = 0; j < cols; ++j) {
+    const uint8_t* w = row + j * row_bytes;
+    float* o = out + j * K32;
+    for (int64_t blk = 0; blk < K32 / D::kWeights; ++blk) {
+      const uint8_t* block = w + blk * D::kBytes;
+      for (int64_t offset = 0; offset < D::kBytes; offset += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes + offset, _MM_HINT_T1);
+      D::scales(block, scales);
+#pragma GCC unroll 8
+      for (int g = 0; g < D::kGroups; ++g) {
+        __m512 lo, hi;
+        D::group(scales, block, g, lo, hi);
+        if constexpr (natural && D::kLanes) {
+          lo = _mm512_permutexvar_ps(lane_bytes(), lo);
+          hi = _mm512_permutexvar_ps(lane_bytes(), hi);
+        }
+        _mm512_storeu_ps(o + blk * D::kWeights + 32 * g, lo);
+        _mm512_storeu_ps(o + blk * D::kWeights + 32 * g + 16, hi);
+      }
+    }
+  }
+}
+
+template <WeightType T>
+BLOCKS_AVX512 void slice_avx512(const Slice& s, float* buffer) {
+  int64_t n = s.begin;
+  if (s.R == 1) {  // a row of x against eight weight rows: eight independent sums to hide FMA latency
+    for (; n + 8 <= s.end; n += 8) columns_direct<T, 8>(s, n);
+  }
+  if (s.R <= kDirectRows) {  // kCols weight rows at a time: tiles of 4 x kCols accumulators
+    constexpr int cols = Avx512Blocks<T>::kCols;
+    for (; n + cols <= s.end; n += cols) columns_direct<T, cols>(s, n);
+    for (; n < s.end; ++n) columns_direct<T, 1>(s, n);
+    return;
+  }
+  using D = Avx512Blocks<T>;
+  const float* x = D::kLanes ? s.x_lanes : s.x;
+  const int64_t xs = D::kLanes ? s.K32 : s.K;
+  for (; n < s.end; n += kGroupRows) {
+    const int64_t cols = std::min(kGroupRows, s.end - n);
+    dequantize_avx512<T, false>(s.data + n * s.row_bytes, s.row_bytes, cols, s.K32, buffer);
+    if (cols == kGroupRows) {
+      columns_buffered<kGroupRows>(s, x, xs, buffer, n);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) columns_buffered<1>(s, x, xs, buffer + j * s.K32, n + j);
+    }
+  }
+}
+#endif  // SPECENGINE_X86
+
+enum class Path { portable, avx2, avx512 };
+
+Path choose_path() {
+#ifdef SPECENGINE_X86
+  if (use_blocks_avx512()) return Path::avx512;
+  if (use_avx2()) return Path::avx2;
+#endif
+  return Path::portable;
+}
+
+template <WeightType T>
+void run_slice(Path path, const Slice& s, float* buffer) {
+#ifdef SPECENGINE_X86
+  if (path == Path::avx512) return slice_avx512<T>(s, buffer);
+  if (path == Path::avx2) return slice_avx2<T>(s, buffer);
+#endif
+  slice_portable<T>(s, buffer);
+}
+
+void dispatch_slice(Path path, const Slice& s, float* buffer) {
+  switch (s.type) {
+    case WeightType::F32: return run_slice<WeightType::F32>(path, s, buffer);
+    case WeightType::F16: return run_slice<WeightType::F16>(path, s, buffer);
+    case WeightType::BF16: return run_slice<WeightType::BF16>(path, s, buffer);
+    case WeightType::Q4_0: return run_slice<WeightType::Q4_0>(path, s, buffer);
+    case WeightType::Q4_1: return run_slice<WeightType::Q4_1>(path, s, buffer);
+    case WeightType::Q5_0: return run_slice<WeightType::Q5_0>(path, s, buffer);
+    case WeightType::Q5_1: return run_slice<WeightType::Q5_1>(path, s, buffer);
+    case WeightType::Q8_0: return run_slice<WeightType::Q8_0>(path, s, buffer);
+    case WeightType::Q4_K: return run_slice<WeightType::Q4_K>(path, s, buffer);
+    case WeightType::Q5_K: return run_slice<WeightType::Q5_K>(path, s, buffer);
+    case WeightType::Q6_K: return run_slice<WeightType::Q6_K>(path, s, buffer);
+  }
+}
+
+// Whole rows [0, K) of `count` consecutive rows of one part into out [count, K].
+template <WeightType T>
+void dequantize_part_rows(Path path, const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, float* out) {
+#ifdef SPECENGINE_X86
+  if (path == Path::avx512) {
+    const int64_t K32 = K & ~(kStep - 1);
+    if (K32 == K) return dequantize_avx512<T, true>(rows, row_bytes, count, K, out);
+    for (int64_t j = 0; j < count; ++j) {  // a float type's tail: each row on its own
+      dequantize_avx512<T, true>(rows + j * row_bytes, row_bytes, 1, K32, out + j * K);
+      dequantize_row_portable<T>(rows + j * row_bytes + K32 * block_bytes(static_cast<int64_t>(T)), K - K32,
+                                 out + j * K + K32);
+    }
+    return;
+  }
+#else
+  (void)path;
+#endif
+  for (int64_t j = 0; j < count; ++j) dequantize_row_portable<T>(rows + j * row_bytes, K, out + j * K);
+}
+
+void dispatch_rows(Path path, WeightType type, const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K,
+                   float* out) {
+  switch (type) {
+    case WeightType::F32: return dequantize_part_rows<WeightType::F32>(path, rows, row_bytes, count, K, out);
+    case WeightType::F16: return dequantize_part_rows<WeightType::F16>(path, rows, row_bytes, count, K, out);
+    case WeightType::BF16: return dequantize_part_rows<WeightType::BF16>(path, rows, row_bytes, count, K, out);
+    case WeightType::Q4_0: return dequantize_part_rows<WeightType::Q4_0>(path, rows, row_bytes, count, K, out);
+    case WeightType::Q4_1: return dequantize_part_rows<WeightType::Q4_1>(path, rows, row_bytes, count, K, out);
+    case WeightType::Q5_0: return dequantize_part_rows<WeightType::Q5_0>(path, rows, row_bytes, count, K, out);
+    case WeightType::Q5_1: return dequantize_part_rows<WeightType::Q5_1>(path, rows, row_bytes, count, K, out);
+    case WeightType::Q8_0: return dequantize_part_rows<WeightType::Q8_0>(path, rows, row_bytes, count, K, out);
+    case WeightType::Q4_K: return dequantize_part_rows<WeightType::Q4_K>(path, rows, row_bytes, count, K, out);
+    case WeightType::Q5_K: return dequantize_part_rows<WeightType::Q5_K>(path, rows, row_bytes, count, K, out);
+    case WeightType::Q6_K: return dequantize_part_rows<WeightType::Q6_K>(path, rows, row_bytes, count, K, out);
+  }
+}
+
+int64_t part_row_bytes(const MatrixPart& part, int64_t K) {
+  return K / block_weights(static_cast<int64_t>(part.type)) * block_bytes(static_cast<int64_t>(part.type));
+}
+
+// This thread's share [begin, end) of `units` units of work.
+void thread_share(int64_t units, int64_t& begin, int64_t& end) {
+#ifdef _OPENMP
+  const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+  const int64_t threads = 1, id = 0;
+#endif
+  begin = units * id / threads;
+  end = units * (id + 1) / threads;
+}
+
+// Below this many weights a second thread costs more to wake than it saves (linear.cpp's bound).
+constexpr int64_t kParallelWeights = int64_t{1} << 16;
+
+}  // namespace
+
+void linear_blocks(const float* x, const Matrix& w, const float* bias, float* out, int64_t R) {
+  const int64_t K = w.in_features, N = w.out_features();
+  if (R <= 0 || N <= 0) return;
+  if (K == 0) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t n = 0; n < N; ++n) out[r * N + n] = bias ? bias[n] : 0.f;
+    return;
+  }
+  // A bfloat16 matrix in one part is linear.cpp's tuned product.
+  if (w.part_count == 1 && w.parts[0].type == WeightType::BF16)
+    return linear_bf16_weight(x, reinterpret_cast<const uint16_t*>(w.parts[0].data), bias, out, R, K, N);
+  const Path path = choose_path();
+  const int64_t K32 = K & ~(kStep - 1);
+  // Buffered paths hold a group of dequantized rows; the AVX-512 one only past kDirectRows rows.
+  const bool buffered = path != Path::avx512 || R > kDirectRows;
+  std::vector<float> x_lanes;
+#ifdef SPECENGINE_X86
+  bool lanes = false;
+  for (int64_t p = 0; p < w.part_count; ++p) lanes = lanes || lane_order(w.parts[p].type);
+  if (path == Path::avx512 && lanes) x_lanes = x_in_lanes(x, R, K, K32);
+#endif
+#pragma omp parallel if (N * K >= kParallelWeights)
+  {
+    thread_local std::vector<float> buffer, scratch;
+    if (buffered && buffer.size() < static_cast<size_t>(kGroupRows * K32)) buffer.resize(kGroupRows * K32);
+    if (scratch.size() < static_cast<size_t>(K / 2 + 16)) scratch.resize(K / 2 + 16);
+    int64_t group_begin, group_end;
+    thread_share((N + kGroupRows - 1) / kGroupRows, group_begin, group_end);
+    const int64_t begin = std::min(N, group_begin * kGroupRows), end = std::min(N, group_end * kGroupRows);
+    int64_t first = 0;  // the part's first row in the matrix
+    for (int64_t p = 0; p < w.part_count; ++p) {
+      const MatrixPart& part = w.parts[p];
+      const int64_t lo = std::max(begin, first), hi = std::min(end, first + part.rows);
+      if (lo < hi) {
+        const Slice s{x,     x_lanes.data(), scratch.data(), R, K, K32, part.type, part.data, part_row_bytes(part, K),
+                      lo - first, hi - first, bias ? bias + first : nullptr, out + first, N};
+        dispatch_slice(path, s, buffer.data());
+      }
+      first += part.rows;
+    }
+  }
+}
+
+void dequantize_rows(const Matrix& w, int64_t row_begin, int64_t row_end, float* out) {
+  const int64_t K = w.in_features;
+  if (row_end <= row_begin || K == 0) return;
+  const Path path = choose_path();
+#pragma omp parallel if ((row_end - row_begin) * K >= kParallelWeights)
+  {
+    int64_t begin, end;
+    thread_share(row_end - row_begin, begin, end);
+    begin += row_begin;
+    end += row_begin;
+    int64_t first = 0;
+    for (int64_t p = 0; p < w.part_count; ++p) {
+      const MatrixPart& part = w.parts[p];
+      const int64_t lo = std::max(begin, first), hi = std::min(end, first + part.rows);
+      if (lo < hi) {
+        const int64_t row_bytes = part_row_bytes(part, K);
+        dispatch_rows(path, part.type, part.data + (lo - first) * row_bytes, row_bytes, hi - lo, K,
+                      out + (lo - row_begin) * K);
+      }
+      first += part.rows;
+    }
+  }
+}
+
+void gather_rows(const Matrix& w, const int64_t* ids, int64_t count, float* out) {
+  const int64_t K = w.in_features;
+  if (count <= 0 || K == 0) return;
+  const Path path = choose_path();
+#pragma omp parallel if (count * K >= kParallelWeights)
+  {
+    int64_t begin, end;
+    thread_share(count, begin, end);
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t row = ids[i], p = 0;
+      while (p + 1 < w.part_count && row >= w.parts[p].rows) row -= w.parts[p++].rows;
+      const MatrixPart& part = w.parts[p];
+      const int64_t row_bytes = part_row_bytes(part, K);
+      dispatch_rows(path, part.type, part.data + row * row_bytes, row_bytes, 1, K, out + i * K);
+    }
+  }
+}
+
+}  // namespace specengine

@@ -1,0 +1,109 @@
+"""Layers over matrices kept as a GGUF file stores them (ops.blocks): a linear layer, an embedding,
+and a head tied to that embedding.
+
+Each part's bytes are a buffer of the module (so model.to(device) moves them, and a file's
+memory map stays their storage on a CPU); the BlockMatrix the ops take is rebuilt from them when
+they change. `impl` is the ops' implementation the model's backend runs (models.backend sets it
+when it chooses a backend), so that a forward tests no flags.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.blocks import BlockMatrix, MatrixPart, WeightType, embedding_rows, linear_blocks
+from .tracked import TracksParameterAssignments
+
+
+class HoldsBlockMatrix(nn.Module):
+    """A module whose matrix is the parts registered as buffers part_0, part_1, ..."""
+
+    impl = "reference"
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_types: tuple[WeightType, ...] = ()
+        self._matrix: BlockMatrix | None = None
+
+    def set_parts(self, parts: list[MatrixPart]):
+        """Hold these parts (rows stacked in order): out_features rows of in_features weights."""
+        matrix = BlockMatrix(tuple(parts))
+        if matrix.shape != (self.out_features, self.in_features):
+            raise ValueError(f"a {type(self).__name__} of [{self.out_features}, {self.in_features}] got a "
+                             f"matrix of {list(matrix.shape)}")
+        for i in range(len(self.weight_types)):
+            delattr(self, f"part_{i}")
+        for i, part in enumerate(matrix.parts):
+            self.register_buffer(f"part_{i}", part.data)
+        self.weight_types = matrix.weight_types
+        self._matrix = matrix
+        TracksParameterAssignments.assignments += 1  # views built from the old parts are stale
+
+    @property
+    def matrix(self) -> BlockMatrix:
+        if self._matrix is None:
+            if not self.weight_types:
+                raise RuntimeError(f"{type(self).__name__} holds no matrix yet (set_parts)")
+            self._matrix = BlockMatrix(tuple(MatrixPart(t, getattr(self, f"part_{i}"))
+                                             for i, t in enumerate(self.weight_types)))
+        return self._matrix
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        self._matrix = None  # the buffers may be new tensors (moved)
+        return result
+
+    def extra_repr(self) -> str:
+        types = "+".join(t.name for t in self.weight_types) or "empty"
+        return f"in_features={self.in_features}, out_features={self.out_features}, stored={types}"
+
+
+class BlockLinear(HoldsBlockMatrix):
+    """x @ W^T + bias over a matrix as stored."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return block_product(x, self.matrix, self.bias, self.impl)
+
+
+class BlockEmbedding(HoldsBlockMatrix):
+    """Rows of a matrix as stored, looked up by token id (float32)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(embedding_dim, num_embeddings)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding_rows(self.matrix, ids, self.impl)
+
+
+class TiedBlockHead(nn.Module):
+    """An output head whose matrix is an embedding's (tie_word_embeddings): no bytes of its own."""
+
+    impl = "reference"
+
+    def __init__(self, embedding: BlockEmbedding):
+        super().__init__()
+        self.in_features, self.out_features = embedding.in_features, embedding.out_features
+        self._embedding = [embedding]  # in a list: not registered twice as a submodule
+
+    @property
+    def matrix(self) -> BlockMatrix:
+        return self._embedding[0].matrix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return block_product(x, self.matrix, None, self.impl)
+
+
+def block_product(x: torch.Tensor, matrix: BlockMatrix, bias: torch.Tensor | None, impl: str) -> torch.Tensor:
+    """x [..., K] @ matrix^T + bias on `impl` (gradients, i.e. training, run the reference). A
+    prefill-sized x (many tokens per row) runs as GEMMs in the "cpp" op (ops.blocks_cpp)."""
+    if torch.is_grad_enabled():
+        impl = "reference"
+    return linear_blocks(x, matrix, bias, impl, check=False)
+
+
+BLOCK_MODULES = (HoldsBlockMatrix, TiedBlockHead)

@@ -1,0 +1,138 @@
+"""The "cpp" implementation of ops.blocks: specengine._C's block-format ops (csrc/blocks.cpp), CPU.
+
+  linear_blocks_cpp   fewer than GEMM_ROWS tokens per row (decoding, verification): the few-row C++
+                      op, which reads each weight block once for all rows; from GEMM_ROWS tokens
+                      per row on (a prefill), slabs of weight rows dequantized by the C++ op and
+                      float32 GEMMs over them in blocks of GEMM_BLOCK rows
+  embedding_rows_cpp  rows dequantized by the C++ op
+
+No argument checks here: ops.blocks' entry points check (the model's calls skip them; the loader
+checked the matrices).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+# From this many tokens per row a product is GEMMs (layers.linear's GEMM_ROWS, for the same
+# reason): decided on tokens per row (x [..., T, K]), not rows in all, so that a decoding row takes
+# the same path, and gets the same result, in a batch of any size. A 2-d x [R, K] is R rows of one
+# token each, so it always takes the few-row op.
+GEMM_ROWS = 32
+# The GEMMs run in blocks of this many rows, the last padded (layers.linear's GEMM_BLOCK, for its
+# reason: sgemm's result for a row changes with the rows in the call, but not within a call of
+# this many rows).
+GEMM_BLOCK = 64
+# Weight rows dequantized at a time for the GEMMs: this many bytes of float32, to stay in L2/L3
+# while every block of rows runs over them. Slabs depend only on the matrix's shape, never on x.
+SLAB_BYTES = 4 << 20
+
+# id(matrix) -> (weakref to it, its descriptor, out_features), for BlockMatrix objects (frozen:
+# their parts' tensors are theirs for life). The weak reference both drops the entry when the
+# matrix dies and tells a matrix from a later object given the same id. Building a descriptor
+# took 1.6 us for three parts on a 2-core CPU, a lookup 0.15: a small product costs ~10 us.
+# Dense tensors are described afresh each call (0.3 us): a tensor's data can be re-pointed
+# (param.data = ...), a BlockMatrix's cannot.
+_described: dict[int, tuple[weakref.ref, tuple[int, ...], int]] = {}
+_DENSE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # ggml type ids
+
+
+def _forget(key: int):
+    def drop(_ref):
+        _described.pop(key, None)
+
+    return drop
+
+
+def _descriptor(matrix) -> tuple[tuple[int, ...], int]:
+    """(matrix_descriptor(matrix), out_features), cached per matrix object."""
+    if isinstance(matrix, torch.Tensor):  # dense [N, K], contiguous: one part of its float type (as from_dense)
+        return (matrix.shape[1], 1, _DENSE_TYPES[matrix.dtype], matrix.data_ptr(), matrix.shape[0]), matrix.shape[0]
+    key = id(matrix)
+    entry = _described.get(key)
+    if entry is not None and entry[0]() is matrix:
+        return entry[1], entry[2]
+    descriptor = (matrix.in_features, len(matrix.parts))
+    for part in matrix.parts:
+        descriptor += (int(part.weight_type), part.data.data_ptr(), part.rows)
+    out_features = sum(descriptor[4::3])
+    _described[key] = (weakref.ref(matrix, _forget(key)), descriptor, out_features)
+    return descriptor, out_features
+
+
+def matrix_descriptor(matrix) -> tuple[int, ...]:
+    """A BlockMatrix (or a contiguous float32, float16 or bfloat16 CPU tensor [N, K]) as
+    specengine._C takes it: (in_features, part_count, type0, data0, rows0, type1, ...), ggml type
+    ids and raw pointers. Valid while the matrix lives."""
+    return _descriptor(matrix)[0]
+
+
+def linear_blocks_cpp(x: torch.Tensor, matrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 @ dequantized(matrix)^T + bias -> float32 [..., N] (see ops.blocks.linear_blocks)."""
+    from .. import _C
+
+    descriptor, N = _descriptor(matrix)
+    if not x.is_cpu:
+        raise ValueError(f"linear_blocks: impl 'cpp' takes CPU tensors, got x on {x.device}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    K = descriptor[0]
+    if x.dim() >= 3 and x.shape[-2] >= GEMM_ROWS:
+        return _blocked_gemm(x, descriptor, N, bias)
+    out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
+    R = x.numel() // K if K else out.numel() // max(N, 1)
+    _C.linear_blocks(x.data_ptr(), descriptor, 0 if bias is None else bias.data_ptr(), out.data_ptr(), R)
+    return out
+
+
+def _blocked_gemm(x: torch.Tensor, descriptor: tuple[int, ...], N: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Prompt-sized products: each slab of weight rows dequantized once, then GEMMs of GEMM_BLOCK rows."""
+    from .. import _C
+
+    K = descriptor[0]
+    rows = x.reshape(-1, K)
+    R = rows.shape[0]
+    pad = -R % GEMM_BLOCK
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, K)])
+    out = torch.empty((R + pad, N), dtype=torch.float32)
+    slab = max(1, SLAB_BYTES // (4 * max(K, 1)))
+    weights = torch.empty((min(slab, N), K), dtype=torch.float32)
+    for n0 in range(0, N, slab):
+        n1 = min(N, n0 + slab)
+        w = weights[:n1 - n0]
+        _C.dequantize_rows(descriptor, n0, n1, w.data_ptr())
+        b = None if bias is None else bias[n0:n1]
+        for i in range(0, R + pad, GEMM_BLOCK):
+            out[i:i + GEMM_BLOCK, n0:n1] = F.linear(rows[i:i + GEMM_BLOCK], w, b)
+    return out[:R].view(*x.shape[:-1], N)
+
+
+def dequantize_rows_cpp(matrix, row_begin: int = 0, row_end: int | None = None) -> torch.Tensor:
+    """The exact float32 weights of rows [row_begin, row_end) (all by default): [rows, K]."""
+    from .. import _C
+
+    descriptor, N = _descriptor(matrix)
+    row_end = N if row_end is None else row_end
+    out = torch.empty((max(row_end - row_begin, 0), descriptor[0]), dtype=torch.float32)
+    _C.dequantize_rows(descriptor, row_begin, row_end, out.data_ptr())
+    return out
+
+
+def embedding_rows_cpp(matrix, ids: torch.Tensor) -> torch.Tensor:
+    """The dequantized rows of ids [...] int64 -> float32 [..., K] (see ops.blocks.embedding_rows)."""
+    from .. import _C
+
+    descriptor, _ = _descriptor(matrix)
+    if not ids.is_cpu:
+        raise ValueError(f"embedding_rows: impl 'cpp' takes CPU tensors, got ids on {ids.device}")
+    flat = ids.reshape(-1)
+    if flat.dtype != torch.int64 or not flat.is_contiguous():
+        flat = flat.to(torch.int64).contiguous()
+    out = torch.empty((*ids.shape, descriptor[0]), dtype=torch.float32)
+    _C.gather_rows(descriptor, flat.data_ptr(), flat.numel(), out.data_ptr())
+    return out
