@@ -378,7 +378,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=ROOT / ".train-work" / "smollm2-draft")
     parser.add_argument("--out", type=Path, default=ROOT / "specengine" / "pretrained" / "smollm2-draft")
-    parser.add_argument("--target", type=Path, help="the target's folder (default: specengine.default_target())")
+    parser.add_argument("--target", type=Path, help="the target: a folder, or a GGUF file converted once into the cache "
+                        "(default: specengine.default_target())")
     parser.add_argument("--teach-minutes", type=float, default=55)
     parser.add_argument("--train-minutes", type=float, default=65)
     parser.add_argument("--prompt-rounds", type=int, default=1,
@@ -396,11 +397,19 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    from specengine.models.gguf import convert_gguf
+    from specengine.models.loader import is_gguf
     from specengine.shipped import default_target
-    from specengine.tokenizer import load_tokenizer
+    from specengine.tokenizer import cache_dir, load_tokenizer
 
     device = torch.device(args.device)
     target_dir = args.target or default_target()
+    if is_gguf(target_dir):  # the recipe reads a folder's config and embedding: the file as one, made once
+        folder = cache_dir() / target_dir.name.split(".")[0]
+        if not (folder / "config.json").is_file():
+            print(f"converting {target_dir.name} once into {folder}")
+            convert_gguf(target_dir, folder, progress=False)
+        target_dir = folder
     args.work.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(target_dir)
     prompts_path = args.work / "prompts.json"
