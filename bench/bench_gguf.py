@@ -93,21 +93,23 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     files = {kind: file_of(kind, args.files) for kind in args.types}
-    engines = {kind: (Engine.from_pretrained(path), Engine.from_pretrained(path, DEFAULT_DRAFT_DIR, gamma="auto"))
+    # Prefill is timed without the prefix cache, which would serve the repeated prompt from memory.
+    engines = {kind: (Engine.from_pretrained(path), Engine.from_pretrained(path, DEFAULT_DRAFT_DIR, gamma="auto"),
+                      Engine.from_pretrained(path, prefix_cache_bytes=0))
                for kind, path in files.items()}
     tokenizer = next(iter(engines.values()))[0].tokenizer
     prompts = [engines[args.types[0]][0].chat_prompt([{"role": "user", "content": text}])
                for text in CHAT_REQUESTS[:4]]
     long_prompt = (tokenizer(Path(__file__).read_text())["input_ids"] * 4)[:args.prompt_tokens]
-    for target, spec in engines.values():  # warm: first calls allocate, gamma="auto" measures its costs
+    for target, spec, uncached in engines.values():  # warm: first calls allocate, gamma="auto" measures its costs
         decode_run(target, prompts[:1], 8)
         decode_run(spec, prompts[:1], 8)
-        prefill_rate(target, long_prompt)
+        prefill_rate(uncached, long_prompt)
     runs = {kind: {name: [] for name in ("llamacpp_decode", "llamacpp_prefill", "target_decode", "spec_decode",
                                           "target_prefill", "spec_alpha")} for kind in files}
     for repeat in range(args.repeats):
         for kind, path in files.items():
-            target, spec = engines[kind]
+            target, spec, uncached = engines[kind]
             r = runs[kind]
             r["llamacpp_decode"].append(llama_bench(args.llama_bench, path, args.threads, 0, args.new_tokens))
             r["llamacpp_prefill"].append(llama_bench(args.llama_bench, path, args.threads, args.prompt_tokens, 0))
@@ -117,7 +119,7 @@ def main():
             assert tokens == base, f"{kind}: speculative greedy output differs from target-only"
             r["spec_decode"].append(rate)
             r["spec_alpha"].append(alpha)
-            r["target_prefill"].append(prefill_rate(target, long_prompt))
+            r["target_prefill"].append(prefill_rate(uncached, long_prompt))
             print(f"repeat {repeat} {kind}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in r.items()), flush=True)
     summary = {}
     for kind, r in runs.items():
