@@ -171,17 +171,24 @@ def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def gguf_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(transformers name, float32 array) for every weight of the file."""
-    from gguf.quants import dequantize
-
-    permute = cfg["model_type"] in ("llama", "mistral")
+def _weights(reader, cfg: dict, path: str | Path):
+    """(transformers name, GGUF tensor) for every weight of the file (rope_freqs, read as the
+    config, is none)."""
     for t in reader.tensors:
         if t.name == _ROPE_FREQS:
             continue
         name = _hf_name(t.name)
         if name is None:
             raise GGUFError(f"{path}: tensor {t.name} is not part of a {cfg['architectures'][0]}")
+        yield name, t
+
+
+def gguf_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(transformers name, float32 array) for every weight of the file."""
+    from gguf.quants import dequantize
+
+    permute = cfg["model_type"] in ("llama", "mistral")
+    for name, t in _weights(reader, cfg, path):
         try:
             weights = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -212,12 +219,7 @@ def gguf_stored_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[s
     log = logging.getLogger("specengine")
     permute = cfg["model_type"] in ("llama", "mistral")
     stored_types = {int(t) for t in BLOCK_LAYOUT}
-    for t in reader.tensors:
-        if t.name == _ROPE_FREQS:
-            continue
-        name = _hf_name(t.name)
-        if name is None:
-            raise GGUFError(f"{path}: tensor {t.name} is not part of a {cfg['architectures'][0]}")
+    for name, t in _weights(reader, cfg, path):
         shape = _array_shape(t)
         if len(shape) == 1:
             yield name, torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
