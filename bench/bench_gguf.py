@@ -14,6 +14,12 @@ excluded, as llama-bench's tg rate has none). Prefill rate: a PROMPT-token promp
 the time to its first token, target-only. Greedy output of speculative decoding must equal
 target-only decoding (asserted). llama.cpp's threads spin: run on an otherwise idle machine.
 Medians over repeats; ratios are of medians from this one run.
+
+llama.cpp (outside CI and the repository), from the sources llama-cpp-python's sdist vendors:
+    pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
+    cd llama_cpp_python-*/vendor/llama.cpp
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF
+    cmake --build build -j2 --target llama-quantize llama-bench
 """
 from __future__ import annotations
 

@@ -23,6 +23,12 @@ Q5_0 and Q4_K in the other 16. In Q4_0, token_embd is Q8_0 (Q6_K's fallback) and
 
 Writes OUT/SmolLM2-135M-Instruct.{BF16,Q8_0,Q4_0,Q4_K_M,Q4_1}.gguf and OUT/files.json (source,
 llama.cpp tools, size and tensor-type counts of each); files already there are kept (--force remakes).
+
+llama.cpp (outside CI and the repository), from the sources llama-cpp-python's sdist vendors:
+    pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
+    cd llama_cpp_python-*/vendor/llama.cpp
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF
+    cmake --build build -j2 --target llama-quantize llama-bench
 """
 from __future__ import annotations
 
