@@ -4,6 +4,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specengine.devtools.tiny import K_SCALE_OFFSETS as _K_SCALES
+from specengine.devtools.tiny import random_k_blocks as tiny_random_k_blocks
+
 # Our architecture -> llama.cpp's (Mistral is written as llama, named in general.name).
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3"}
@@ -13,9 +16,6 @@ _LAYER = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
-# Where each K-quant block keeps its float16 scales (ggml's block_q*_K structs): the gguf package
-# cannot quantize to these, so tests fill blocks with random codes and sane scales.
-_K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -33,15 +33,8 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def random_k_blocks(qtype_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[qtype_name]
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for offset in _K_SCALES[qtype_name]:
-        scales = rng.uniform(0.002, 0.01, size=(rows, cols // block)).astype(np.float16)
-        data[:, :, offset: offset + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
-    return data.reshape(rows, -1)
+    """Random K-quant blocks with small scales (0.002-0.01): weights of a few hundredths."""
+    return tiny_random_k_blocks(qtype_name, rows, cols, rng, 0.002, 0.01)
 
 
 def write_gguf(path, config, state_dict: dict[str, torch.Tensor], types: dict[str, str] | None = None,

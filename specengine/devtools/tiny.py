@@ -144,7 +144,21 @@ def save_random_t5_checkpoint(folder: str | Path, config, tokenizer=None, seed: 
 
 # Where each K-quant block keeps its float16 scales (ggml's block_q*_K structs): the gguf package
 # cannot quantize to these types, so their blocks are random codes under sane scales.
-_K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_k_blocks(weight_type: str, rows: int, cols: int, rng, low: float, high: float):
+    """Random blocks of a K-quant type, uint8 [rows, row_bytes] (numpy): random codes, each float16
+    scale drawn uniformly from [low, high)."""
+    import gguf
+    import numpy as np
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[weight_type]]
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for offset in K_SCALE_OFFSETS[weight_type]:
+        scales = rng.uniform(low, high, size=(rows, cols // block)).astype(np.float16)
+        data[:, :, offset: offset + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
+    return data.reshape(rows, -1)
 
 
 def blocks_of(weights: torch.Tensor, weight_type: str, seed: int = 0) -> torch.Tensor:
@@ -164,16 +178,9 @@ def blocks_of(weights: torch.Tensor, weight_type: str, seed: int = 0) -> torch.T
         return torch.from_numpy(np.ascontiguousarray(w).view(np.uint8).copy())
     if weight_type == "F16":
         return torch.from_numpy(w.astype(np.float16).view(np.uint8).copy())
-    if weight_type in _K_SCALE_OFFSETS:
-        rng = np.random.default_rng(seed)
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        rows, blocks = w.shape[0], w.shape[1] // block
-        data = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+    if weight_type in K_SCALE_OFFSETS:
         scale = float(np.abs(w).mean()) / 16 + 1e-6
-        for offset in _K_SCALE_OFFSETS[weight_type]:
-            scales = rng.uniform(0.2 * scale, scale, size=(rows, blocks)).astype(np.float16)
-            data[:, :, offset: offset + 2] = scales.view(np.uint8).reshape(rows, blocks, 2)
-        return torch.from_numpy(data.reshape(rows, -1))
+        return torch.from_numpy(random_k_blocks(weight_type, *w.shape, np.random.default_rng(seed), 0.2 * scale, scale))
     return torch.from_numpy(np.ascontiguousarray(quantize(np.ascontiguousarray(w), qtype)))
 
 

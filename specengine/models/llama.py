@@ -331,10 +331,9 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
         in bfloat16 or kept as a GGUF file stores it (the "cpp-layers" backend's condition). Kept
         between calls: replacing a layer's parameter, or moving or casting the model with parameters
         swapped for new objects, rebuilds them."""
-        if self.stored_matrices:
-            if not all(m.weight_types for m in self.modules() if isinstance(m, HoldsBlockMatrix)):
-                return None  # not loaded yet
-            return self.parameter_views(lambda: [layer.weights() for layer in self.model.layers])
+        if self.stored_matrices:  # None until the loader has filled every matrix (set_parts renews the views)
+            return self.parameter_views(lambda: [layer.weights() for layer in self.model.layers] if all(
+                m.weight_types for m in self.modules() if isinstance(m, HoldsBlockMatrix)) else None)
         weights = self.parameter_views(lambda: [layer.weights() for layer in self.model.layers])
         bf16 = torch.bfloat16
         if all(w.qkv.dtype == bf16 and w.o.dtype == bf16 and w.gate_up.dtype == bf16 and w.down.dtype == bf16

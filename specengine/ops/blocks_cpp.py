@@ -16,15 +16,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-# From this many tokens per row a product is GEMMs (layers.linear's GEMM_ROWS, for the same
-# reason): decided on tokens per row (x [..., T, K]), not rows in all, so that a decoding row takes
-# the same path, and gets the same result, in a batch of any size. A 2-d x [R, K] is R rows of one
-# token each, so it always takes the few-row op.
-GEMM_ROWS = 32
-# The GEMMs run in blocks of this many rows, the last padded (layers.linear's GEMM_BLOCK, for its
-# reason: sgemm's result for a row changes with the rows in the call, but not within a call of
-# this many rows).
-GEMM_BLOCK = 64
+from .linear import GEMM_BLOCK, GEMM_ROWS  # decided on tokens per row (x [..., T, K]); a 2-d x is R one-token rows
+
 # Weight rows dequantized at a time for the GEMMs: this many bytes of float32, to stay in L2/L3
 # while every block of rows runs over them. Slabs depend only on the matrix's shape, never on x.
 SLAB_BYTES = 4 << 20

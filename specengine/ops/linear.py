@@ -18,6 +18,23 @@ import torch.nn.functional as F
 
 IMPLEMENTATIONS = ("auto", "cpp", "amx", "reference")
 
+# From this many tokens per row (a prefill) products are GEMMs (layers.linear's bfloat16 matrices,
+# ops.blocks_cpp's stored ones). On a 2-core
+# AVX-512 CPU the C++ few-row op held ~100 GFLOP/s at any row count, while widening the weight and
+# oneDNN's sgemm reached 108-160 at 32 rows, 270-300 at 64 and 300-330 at 200 (SmolLM2's
+# 576 -> 1536, 576 -> 3072 and 1536 -> 576 products); below 32 rows the C++ op was faster. Where
+# the CPU has AMX, the GEMMs are ops.linear's AMX op instead (float32-accurate; SmolLM2's prefill
+# of 64-256 tokens took 0.47-0.58x the time of the widened sgemm's on that CPU, 0.39x at 32:
+# bench/results/prefill-cpu-2026-12-01.json).
+# The choice is made on tokens per row, not rows in all, so that a decoding row takes the same
+# path in a batch of any size (verifications have at most max_gamma + 1 tokens per row).
+GEMM_ROWS = 32
+# The GEMMs run in blocks of this many rows, the last padded: sgemm's result for a row changed
+# with the rows in the call (1536 -> 576 from 64 rows on), but in a call of 64 rows it was the
+# same at every position and whatever the other rows held. So a prompt's cache entries do not
+# depend on the prompts prefilled with it, and a seeded request samples alike in any batch.
+GEMM_BLOCK = 64
+
 
 def _check(cond: bool, message: str):
     if not cond:
