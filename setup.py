@@ -14,7 +14,7 @@ ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 ext_modules = [
     Pybind11Extension(
         "specengine._C",
-        sources=["csrc/bindings.cpp", "csrc/blocks.cpp", "csrc/decoder.cpp", "csrc/gemm.cpp", "csrc/layers.cpp",
+        sources=["csrc/bindings.cpp", "csrc/blocks.cpp", "csrc/decoder.cpp", "csrc/gemm.cpp", "csrc/gemm_blocks.cpp", "csrc/layers.cpp",
                  "csrc/linear.cpp", "csrc/ngram.cpp", "csrc/verify.cpp"],
         cxx_std=17,
         # -ffp-contract=off: blocks.cpp's weights must be gguf's float32 values, each multiply and

@@ -21,7 +21,6 @@ import fnmatch
 import html
 import inspect
 import shlex
-import statistics
 import string
 import textwrap
 import urllib.parse
@@ -30,8 +29,7 @@ from specengine import Engine, SamplingParams, default_pair
 from specengine.devtools.benchmark import machine_name
 from specengine.shipped import DRAFT_DIR
 
-from bench_suffix_e2e import timed_pass
-from common import write_json
+from common import Turns, write_json
 
 # (function, the change asked for): short pure-Python functions whose source ships with Python.
 EDITS = [
@@ -80,31 +78,17 @@ def main():
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
     for engine in filter(None, engines.values()):  # warm-up (and gamma="auto"'s costs)
         engine.generate([prompts[0][:32]], SamplingParams(max_new_tokens=8, temperature=0.0))
-    rates: dict[str, list[float]] = {}
-    alphas: dict[str, list[float]] = {}
-    want, same = None, True
+    turns = Turns(key_width=28)
     for repeat in range(args.repeats):
         engines["suffix"] = makers["suffix"]()  # an empty global tree each repeat
         engines["suffix"].generate([prompts[0][:32]], SamplingParams(max_new_tokens=8, temperature=0.0))
-        for name in list(engines)[::1 if repeat % 2 == 0 else -1]:
-            rate, outputs, alpha = timed_pass(engines[name], prompts, params)
-            rates.setdefault(name, []).append(rate)
-            if alpha is not None:
-                alphas.setdefault(name, []).append(alpha)
-            want = want or outputs
-            same &= outputs == want
-            print(f"repeat {repeat} {name:28s} {rate:6.1f} tok/s" + (f"  alpha {alpha:.2f}" if alpha is not None else ""),
-                  flush=True)
-    medians = {k: statistics.median(v) for k, v in rates.items()}
-    base = medians["target-only"]
+        for name in turns.order(engines, repeat):
+            turns.timed_pass(repeat, name, engines[name], prompts, params)
+    same = turns.same
     result = dict(date=datetime.date.today().isoformat(), machine=machine_name(), target=str(target), draft=str(draft),
                   gamma=args.gamma, new_tokens=args.new_tokens, requests=len(prompts), repeats=args.repeats, batch=1,
-                  tok_s=medians, speedup={k: v / base for k, v in medians.items()}, runs=rates,
-                  alpha={k: statistics.median(v) for k, v in alphas.items()}, greedy_identical=same,
-                  output_tokens=sum(len(o) for o in want))
-    for name, rate in medians.items():
-        alpha = result["alpha"].get(name)
-        print(f"{name:28s} {rate:6.1f} tok/s  {rate / base:4.2f}x" + (f"  alpha {alpha:.2f}" if alpha is not None else ""))
+                  **turns.summary(baseline_of=lambda name: "target-only"), greedy_identical=same,
+                  output_tokens=sum(len(o) for o in turns.first_outputs[""]))
     print(f"greedy identical across engines: {same}")
     write_json(result, args.out, f"code-edit-{result['date']}.json")
     return 0 if same else 1

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 
 from specengine import Engine, SamplingParams, default_pair
 from specengine.devtools.benchmark import machine_name
 from specengine.shipped import DRAFT_DIR
 
 from bench_code_edit import EDITS, edit_requests
-from bench_suffix_e2e import timed_pass
-from common import CHAT_REQUESTS, write_json
+from common import CHAT_REQUESTS, Turns, write_json
 
 
 def main():
@@ -50,32 +48,18 @@ def main():
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
     for engine in engines.values():  # warm-up (and gamma="auto"'s costs)
         engine.generate([prompts["chat"][0]], SamplingParams(max_new_tokens=8, temperature=0.0))
-    rates: dict[str, list[float]] = {}
-    alphas: dict[str, list[float]] = {}
-    same = True
+    turns = Turns(key_width=42)
     for repeat in range(args.repeats):
         for set_name, set_prompts in prompts.items():
-            want = None
-            for name in list(engines)[::1 if repeat % 2 == 0 else -1]:
-                rate, outputs, alpha = timed_pass(engines[name], set_prompts, params)
-                key = f"{set_name}: {name}"
-                rates.setdefault(key, []).append(rate)
-                if alpha is not None:
-                    alphas.setdefault(key, []).append(alpha)
-                want = want or outputs
-                same &= outputs == want
-                print(f"repeat {repeat} {key:42s} {rate:6.1f} tok/s"
-                      + (f"  alpha {alpha:.2f}" if alpha is not None else ""), flush=True)
-    medians = {k: statistics.median(v) for k, v in rates.items()}
-    speedup = {k: v / medians[k.split(": ")[0] + ": target-only"] for k, v in medians.items()}
+            for name in turns.order(engines, repeat):
+                turns.timed_pass(repeat, f"{set_name}: {name}", engines[name], set_prompts, params, set_name)
+    same = turns.same
     result = dict(date=datetime.date.today().isoformat(), machine=machine_name(), target=str(target),
                   cross_vocab_draft=str(cross_draft), same_tokenizer_draft=str(pair_draft), gamma=args.gamma,
                   new_tokens=args.new_tokens, requests=len(sets["chat"]), repeats=args.repeats, batch=1,
-                  shared_tokens=vocab.num_shared, share=vocab.share, tok_s=medians, speedup=speedup, runs=rates,
-                  alpha={k: statistics.median(v) for k, v in alphas.items()}, greedy_identical=same)
-    for key, rate in medians.items():
-        alpha = result["alpha"].get(key)
-        print(f"{key:42s} {rate:6.1f} tok/s  {speedup[key]:4.2f}x" + (f"  alpha {alpha:.2f}" if alpha is not None else ""))
+                  shared_tokens=vocab.num_shared, share=vocab.share,
+                  **turns.summary(baseline_of=lambda key: key.split(": ")[0] + ": target-only"),
+                  greedy_identical=same)
     print(f"greedy identical across engines: {same}")
     write_json(result, args.out, f"cross-vocab-{result['date']}.json")
     return 0 if same else 1

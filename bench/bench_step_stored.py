@@ -10,9 +10,10 @@ ffn 5632, 32 query heads on 8 KV heads of 64, `--layers` deep, its 8192-token ti
 float32 compute, every matrix (the embedding and head too) stored in the weight type as random
 blocks under sane float16 scales (weights of about 0.02): valid blocks of the type, which a kernel
 reads as it reads a file's (it never looks at values to decide what to read); their logits mean
-nothing, and are compared only with the torch backend's over the same blocks. Built on the device
-in a second (quantizing 1B weights with gguf's numpy would take minutes, and the K-quants cannot
-be quantized there at all: devtools.tiny.blocks_of draws them at random too).
+nothing, and are compared only with the torch backend's over the same blocks. Drawn on the host
+by devtools.tiny.random_blocks, as devtools.tiny.blocks_of draws the K-quants (quantizing 1B
+weights with gguf's numpy would take minutes, and the K-quants cannot be quantized there at all),
+each matrix then moved to the device (where its parts are merged, as a loaded file's are).
 
 Per weight type, written to the JSON after every figure:
   - correctness, first: logits of a prefill (2 prompts of 40 tokens: the prompt kernel), a
@@ -42,16 +43,18 @@ import datetime
 import os
 import sys
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():  # the Triton kernels then run in the interpreter (a dry run)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from specengine.devtools.benchmark import machine_name  # noqa: E402
+from specengine.devtools.tiny import random_blocks  # noqa: E402
 from specengine.kernels import blocks as kernels  # noqa: E402
 from specengine.models.config import ModelConfig  # noqa: E402
 from specengine.models.llama import LlamaForCausalLM  # noqa: E402
-from specengine.ops.blocks import BLOCK_LAYOUT, MatrixPart, WeightType, linear_blocks  # noqa: E402
+from specengine.ops.blocks import MatrixPart, WeightType, linear_blocks  # noqa: E402
 from specengine.shipped import TARGET_DIR  # noqa: E402
 from specengine.steps.graphs import FixedShapeSteps  # noqa: E402
 
@@ -73,29 +76,25 @@ def widened_config(layers: int, small: bool) -> ModelConfig:
     return dataclasses.replace(ModelConfig.from_folder(TARGET_DIR), num_layers=layers, **(SMALL if small else WIDE))
 
 
-def random_part(weight_type: str, rows: int, K: int, generator: torch.Generator) -> MatrixPart:
-    """rows of K weights in weight_type: random quants under float16 scales drawn from [size / 2, size)."""
-    block_size, block_bytes = BLOCK_LAYOUT[WeightType[weight_type]]
-    blocks = K // block_size
-    device = generator.device
-    data = torch.randint(0, 256, (rows, blocks, block_bytes), dtype=torch.uint8, device=device, generator=generator)
-    for offset, size in SCALES[weight_type]:
-        scales = (torch.rand(rows, blocks, device=device, generator=generator) * 0.5 + 0.5) * size
-        data[:, :, offset:offset + 2] = scales.half().view(torch.uint8).view(rows, blocks, 2)
-    return MatrixPart(WeightType[weight_type], data.view(rows, -1))
+def random_part(weight_type: str, rows: int, K: int, rng: np.random.Generator, device: torch.device) -> MatrixPart:
+    """rows of K weights in weight_type on device: random quants under float16 scales drawn from
+    [size / 2, size)."""
+    scale_ranges = {offset: (size / 2, size) for offset, size in SCALES[weight_type]}
+    data = torch.from_numpy(random_blocks(weight_type, rows, K, rng, scale_ranges))
+    return MatrixPart(WeightType[weight_type], data.to(device))
 
 
 def stored_model(cfg: ModelConfig, weight_type: str, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
-    """A stored-matrix LlamaForCausalLM of cfg, every matrix random blocks of weight_type (built on
+    """A stored-matrix LlamaForCausalLM of cfg, every matrix random blocks of weight_type (set on
     device), norms 1, on the "triton" backend."""
     model = LlamaForCausalLM(cfg, stored_matrices=True)
-    generator = torch.Generator(device).manual_seed(seed)
+    rng = np.random.default_rng(seed)
     modules = dict(model.named_modules())
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for name, sources in model.stored_matrix_sources().items():
         module = modules[name]
         rows = [q, kv, kv] if name.endswith("qkv_proj") else [module.out_features // len(sources)] * len(sources)
-        module.set_parts([random_part(weight_type, n, module.in_features, generator) for n in rows])
+        module.set_parts([random_part(weight_type, n, module.in_features, rng, device) for n in rows])
     model = model.to(device).eval().requires_grad_(False)
     model.use_backend("triton")
     return model

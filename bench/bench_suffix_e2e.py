@@ -12,26 +12,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-import time
 
 from specengine import Engine, SamplingParams, default_pair
 from specengine.devtools.benchmark import machine_name
 
-from common import CHAT_REQUESTS, write_json
-
-
-
-def timed_pass(engine: Engine, prompts, params) -> tuple[float, list[list[int]], float | None]:
-    """(tokens per second, outputs, acceptance rate) of the prompts one at a time."""
-    start, tokens, outputs, accepted, tested = time.perf_counter(), 0, [], 0, 0
-    for prompt in prompts:
-        (result,) = engine.generate([prompt], params)
-        tokens += len(result.token_ids)
-        outputs.append(result.token_ids)
-        accepted += result.stats.accepted
-        tested += result.stats.accepted + result.stats.rejections
-    return tokens / (time.perf_counter() - start), outputs, (accepted / tested if tested else None)
+from common import CHAT_REQUESTS, Turns, write_json
 
 
 def main():
@@ -47,28 +32,20 @@ def main():
     prompts = [plain.chat_prompt([{"role": "user", "content": r}]) for r in CHAT_REQUESTS]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
     plain.generate([prompts[0]], SamplingParams(max_new_tokens=8, temperature=0.0))  # warm-up
-    rates: dict[str, list[float]] = {}
-    alphas: dict[str, list[float]] = {}
-    same = True
+    turns = Turns(key_width=21)
     for repeat in range(args.repeats):
         suffix = Engine.from_pretrained(target, drafter="suffix", gamma=gamma)
         suffix.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, temperature=0.0))  # warm-up (and costs)
+        engines = {"target-only": plain, "suffix": suffix}
         for name in ("fresh", "recurring"):
-            want = None
-            for label, engine in (("target-only", plain), ("suffix", suffix))[::1 if repeat % 2 == 0 else -1]:
-                rate, outputs, alpha = timed_pass(engine, prompts, params)
-                rates.setdefault(f"{label} {name}", []).append(rate)
-                if alpha is not None:
-                    alphas.setdefault(f"{label} {name}", []).append(alpha)
-                want = want or outputs
-                same &= outputs == want
-                print(f"repeat {repeat} {name:9s} {label:11s} {rate:6.1f} tok/s"
-                      + (f" alpha {alpha:.2f}" if alpha is not None else ""), flush=True)
-    medians = {k: statistics.median(v) for k, v in rates.items()}
+            for label in turns.order(engines, repeat):
+                turns.timed_pass(repeat, f"{label} {name}", engines[label], prompts, params)
+    same = turns.same
+    timings = turns.summary()
+    medians = timings["tok_s"]
     result = dict(date=datetime.date.today().isoformat(), machine=machine_name(), gamma=args.gamma,
                   new_tokens=args.new_tokens, requests=len(CHAT_REQUESTS), repeats=args.repeats, batch=1,
-                  tok_s=medians, runs=rates, alpha={k: statistics.median(v) for k, v in alphas.items()},
-                  speedup_fresh=medians["suffix fresh"] / medians["target-only fresh"],
+                  **timings, speedup_fresh=medians["suffix fresh"] / medians["target-only fresh"],
                   speedup_recurring=medians["suffix recurring"] / medians["target-only recurring"],
                   greedy_identical=same)
     print(f"suffix / target-only: fresh {result['speedup_fresh']:.2f}x, recurring {result['speedup_recurring']:.2f}x; "

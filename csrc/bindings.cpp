@@ -10,6 +10,7 @@
 #include "blocks.h"
 #include "decoder.h"
 #include "gemm.h"
+#include "gemm_blocks.h"
 #include "layers.h"
 #include "cpu_features.h"
 #include "linear.h"
@@ -185,6 +186,14 @@ void linear_blocks_py(uintptr_t x, py::handle matrix, uintptr_t bias, uintptr_t 
   specengine::linear_blocks(ptr<const float>(x), m, ptr<const float>(bias), ptr<float>(out), R);
 }
 
+void gemm_blocks_py(uintptr_t x, py::handle matrix, uintptr_t bias, uintptr_t out, int64_t R, int64_t out_stride) {
+  const specengine::Matrix m = matrix_from(matrix);
+  if (R < 0) throw std::invalid_argument("gemm_blocks: R must be >= 0");
+  if (out_stride < m.out_features()) throw std::invalid_argument("gemm_blocks: out_stride must be >= out_features");
+  py::gil_scoped_release release;
+  specengine::gemm_blocks(ptr<const float>(x), m, ptr<const float>(bias), ptr<float>(out), R, out_stride);
+}
+
 void dequantize_rows_py(py::handle matrix, int64_t row_begin, int64_t row_end, uintptr_t out) {
   const specengine::Matrix m = matrix_from(matrix);
   if (row_begin < 0 || row_end < row_begin || row_end > m.out_features())
@@ -300,6 +309,11 @@ PYBIND11_MODULE(_C, m) {
         "out [R, N] = x [R, K] float32 @ matrix [N, K] (ggml blocks, a descriptor) ^T + bias (use "
         "specengine.ops.blocks).",
         py::arg("x"), py::arg("matrix"), py::arg("bias"), py::arg("out"), py::arg("R"));
+  m.def("gemm_blocks", &gemm_blocks_py,
+        "out [R, out_stride] columns [0, N) = x [R, K] float32 @ matrix [N, K] (a descriptor) ^T + bias, for "
+        "prompt-sized R: float32 FMA chains over k, each output's bits independent of the other rows (use "
+        "specengine.ops.blocks).",
+        py::arg("x"), py::arg("matrix"), py::arg("bias"), py::arg("out"), py::arg("R"), py::arg("out_stride"));
   m.def("dequantize_rows", &dequantize_rows_py,
         "out = the exact float32 weights of rows [row_begin, row_end) of a matrix descriptor (use "
         "specengine.ops.blocks).",

@@ -925,24 +925,28 @@ void linear_blocks(const float* x, const Matrix& w, const float* bias, float* ou
 void dequantize_rows(const Matrix& w, int64_t row_begin, int64_t row_end, float* out) {
   const int64_t K = w.in_features;
   if (row_end <= row_begin || K == 0) return;
-  const Path path = choose_path();
 #pragma omp parallel if ((row_end - row_begin) * K >= kParallelWeights)
   {
     int64_t begin, end;
     thread_share(row_end - row_begin, begin, end);
-    begin += row_begin;
-    end += row_begin;
-    int64_t first = 0;
-    for (int64_t p = 0; p < w.part_count; ++p) {
-      const MatrixPart& part = w.parts[p];
-      const int64_t lo = std::max(begin, first), hi = std::min(end, first + part.rows);
-      if (lo < hi) {
-        const int64_t row_bytes = part_row_bytes(part, K);
-        dispatch_rows(path, part.type, part.data + (lo - first) * row_bytes, row_bytes, hi - lo, K,
-                      out + (lo - row_begin) * K);
-      }
-      first += part.rows;
+    dequantize_rows_serial(w, row_begin + begin, row_begin + end, out + begin * K);
+  }
+}
+
+void dequantize_rows_serial(const Matrix& w, int64_t row_begin, int64_t row_end, float* out) {
+  const int64_t K = w.in_features;
+  if (row_end <= row_begin || K == 0) return;
+  const Path path = choose_path();
+  int64_t first = 0;  // the part's first row in the matrix
+  for (int64_t p = 0; p < w.part_count; ++p) {
+    const MatrixPart& part = w.parts[p];
+    const int64_t lo = std::max(row_begin, first), hi = std::min(row_end, first + part.rows);
+    if (lo < hi) {
+      const int64_t row_bytes = part_row_bytes(part, K);
+      dispatch_rows(path, part.type, part.data + (lo - first) * row_bytes, row_bytes, hi - lo, K,
+                    out + (lo - row_begin) * K);
     }
+    first += part.rows;
   }
 }
 

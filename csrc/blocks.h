@@ -60,6 +60,9 @@ void linear_blocks(const float* x, const Matrix& w, const float* bias, float* ou
 // The exact float32 weights of rows [row_begin, row_end): out [row_end - row_begin, K].
 void dequantize_rows(const Matrix& w, int64_t row_begin, int64_t row_end, float* out);
 
+// The same, on the calling thread alone: for callers that already share their work among threads.
+void dequantize_rows_serial(const Matrix& w, int64_t row_begin, int64_t row_end, float* out);
+
 // out[i] = the exact float32 weights of row ids[i] (an embedding lookup): out [count, K]; each id
 // in [0, N).
 void gather_rows(const Matrix& w, const int64_t* ids, int64_t count, float* out);

@@ -27,7 +27,8 @@ Terms used throughout:
                by float32 summation order only, and so do the two kernels below from each other.
 
 The launches (host side: specengine.ops.blocks_triton allocates and launches, one launch per part
-into the part's range of output columns; plan() below picks the tiles):
+into the part's range of output columns, a matrix on a GPU holding each run of consecutive parts of
+one type as one part (layers.blocks); plan() below picks the tiles):
   _gemv_kernel    (n tiles, splits)  fewer than GEMM_TOKENS tokens per sequence row (x [..., T, K]
                   with T < 32, or a 2-d x: rows of one token; a decode or verification step), any
                   number R of activation rows: each program loops over row tiles of BLOCK_R rows,
@@ -46,13 +47,14 @@ Batch invariance: a row's result is the same bits whatever rows share the call (
 of any size, as one token of a verification), as on the CPU path (ops.blocks_cpp), so that a
 request decodes alike in any batch and greedy speculative decoding equals target-only decoding.
 Hence: the kernel is chosen by tokens per row, never by the number of rows; the split of K
-depends on (N, K) only; every operation on a row's values is elementwise (tl.fma, then
-_sum_groups' pairwise tree instead of tl.sum, whose order follows the tile's register layout,
-which the compiler picks by tile shape); the tiles (BLOCK_R, BLOCK_N) then change only which
-program computes a row, not how. The prompt kernel has one row tile (64: its dot's shape never
-changes), accumulates each output over k in order (a float32 "ieee" dot is FMAs) and never splits
-K, so a prompt's row is also the same bits whatever the batch (but not the same as the decode
-kernel's: the engine compares decoding with decoding).
+depends on the matrix's shape (N, K) only, N its rows whatever part a launch covers (so a matrix
+whose parts are merged computes the same bits as the file's parts); every operation on a row's
+values is elementwise (tl.fma, then _sum_groups' pairwise tree instead of tl.sum, whose order
+follows the tile's register layout, which the compiler picks by tile shape); the tiles (BLOCK_R,
+BLOCK_N) then change only which program computes a row, not how. The prompt kernel has one row
+tile (64: its dot's shape never changes), accumulates each output over k in order (a float32
+"ieee" dot is FMAs) and never splits K, so a prompt's row is also the same bits whatever the
+batch (but not the same as the decode kernel's: the engine compares decoding with decoding).
 
 Tiles for an H200 (141 GB at 4.8 TB/s, 132 SMs): a decode product is a stream of the weights,
 so what counts is bytes in flight on every SM. Each _gemv_kernel thread dequantizes 8 weights of
@@ -60,8 +62,8 @@ a group per step (a [32, 32] tile in 4 warps: 80-150 registers on sm_90, three o
 per SM; [128, 32] tiles took 250 registers, two programs per SM, and spilled). A small model has few
 row tiles (SmolLM2-135M: N = 576 over K = 576; a 1B model's down projection: N = 2048 over
 K = 8192, 64 tiles), so K is split until about TARGET_PROGRAMS programs of SPLIT_BLOCK_N rows run
-(counted at that tile whatever BLOCK_N is: the split depends on (N, K) only), each split at least
-MIN_SPLIT_GROUPS groups so the partial sums stay small beside the weights. More than GEMV_BLOCK_R
+(counted at that tile whatever BLOCK_N is: the split depends on the matrix's (N, K) only), each
+split at least MIN_SPLIT_GROUPS groups so the partial sums stay small beside the weights. More than GEMV_BLOCK_R
 rows (a batch's verification) loop over row tiles, the group re-read from L1/L2 for each. A
 prompt's product is float32 FMAs (no TF32), compute-bound: _gemm_kernel's BLOCK_R rows share each
 dequantized group. The tiles and split count depend on the shapes only, never on values, so a
@@ -383,18 +385,21 @@ def _rows_kernel(
 
 # ---- launch plans ---------------------------------------------------------------------------------
 
-def plan(R: int, N: int, K: int, tokens_per_row: int | None = None) -> dict:
+def plan(R: int, N: int, K: int, tokens_per_row: int | None = None, matrix_rows: int | None = None) -> dict:
     """The launch of one part's product, R activation rows by N weight rows of K weights, the rows
     being sequences' tokens, tokens_per_row of each (x [..., T, K]: T; a 2-d x: 1; None: R, one
-    sequence): kernel ("gemv" or "gemm"), BLOCK_R, BLOCK_N, num_warps, splits of K,
-    groups_per_split, grid. The kernel follows tokens_per_row and the split (N, K) alone, so a
-    row's result does not depend on R (see the module docstring)."""
+    sequence), the part being rows of a matrix of matrix_rows rows (None: N, the part is the
+    matrix): kernel ("gemv" or "gemm"), BLOCK_R, BLOCK_N, num_warps, splits of K,
+    groups_per_split, grid. The kernel follows tokens_per_row and the split (matrix_rows, K)
+    alone, so a row's result depends neither on R nor on the part it lies in (see the module
+    docstring)."""
     T = R if tokens_per_row is None else tokens_per_row
+    M = N if matrix_rows is None else matrix_rows
     groups = triton.cdiv(K, GROUP.value)
     if T < GEMM_TOKENS:
         kernel, block_r, warps = "gemv", min(triton.next_power_of_2(max(R, 1)), GEMV_BLOCK_R), NUM_WARPS
         block_n = min(GEMV_BLOCK_N, GEMV_TILE // block_r)
-        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(N, SPLIT_BLOCK_N)), groups // MIN_SPLIT_GROUPS))
+        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(M, SPLIT_BLOCK_N)), groups // MIN_SPLIT_GROUPS))
         r_tiles = 1  # looped over in the program
     else:
         kernel, block_r, warps = "gemm", GEMM_ROWS[-1], GEMM_WARPS

@@ -1,6 +1,8 @@
 """Small in-memory models for engine tests (no files, no tokenizer)."""
+import pytest
 import torch
 
+from specengine import Engine
 from specengine.models import LlamaForCausalLM, ModelConfig
 from specengine.models.config import RopeConfig
 
@@ -20,6 +22,21 @@ def tiny_model(vocab_size=32, seed=0, num_layers=2, hidden_size=32, eos=None, ma
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
     return model.eval().requires_grad_(False)
+
+
+def greedy_fixtures(vocab_size: int, prompts: list[list[int]], greedy):
+    """A test module's (target, baseline) fixtures, to bind under those names: a tiny target of
+    vocab_size with sharp logits, and its target-only outputs of the prompts under greedy params,
+    which speculative greedy decoding must reproduce token for token."""
+    @pytest.fixture(scope="module")
+    def target():
+        return tiny_model(vocab_size, seed=0, logit_scale=3.0)
+
+    @pytest.fixture(scope="module")
+    def baseline(target):
+        return [r.token_ids for r in Engine(target).generate(prompts, greedy)]
+
+    return target, baseline
 
 
 def stop_across_tokens(tokenizer, result) -> str:

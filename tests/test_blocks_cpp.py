@@ -11,7 +11,7 @@ from specengine import _C
 from specengine.ops.attention import cached_attention
 from specengine.ops.blocks import (BLOCK_LAYOUT, BlockMatrix, MatrixPart, WeightType, dequantize_reference,
                                    embedding_rows, linear_blocks)
-from specengine.ops.blocks_cpp import GEMM_ROWS, dequantize_rows_cpp, matrix_descriptor
+from specengine.ops.blocks_cpp import GEMM_ROWS, dequantize_rows_cpp, gemm_blocks_cpp, matrix_descriptor
 from specengine.ops.decoder_layer import DecoderLayerWeights, decoder_layer
 from specengine.ops.norm import rms_norm
 
@@ -180,7 +180,7 @@ def test_linear_blocks_matches_the_reference(weight_type, isa):
 @pytest.mark.parametrize("weight_type", [WeightType.Q4_1, WeightType.Q8_0, WeightType.Q6_K, WeightType.F16],
                          ids=lambda t: t.name)
 def test_prompt_sized_products_match_the_reference(weight_type, shape, isa):
-    """GEMM_ROWS or more tokens per row: slabs dequantized, then blocked float32 GEMMs."""
+    """GEMM_ROWS or more tokens per row: panels of rows dequantized, then float32 GEMM tiles."""
     rng = np.random.default_rng(5)
     g = torch.Generator().manual_seed(5)
     K = 512 if weight_type in K_QUANTS else 96
@@ -189,15 +189,16 @@ def test_prompt_sized_products_match_the_reference(weight_type, shape, isa):
         check_product(m, torch.randn(*shape, K, generator=g), torch.randn(37, generator=g))
 
 
-def test_prompt_sized_products_slab_the_weights(monkeypatch):
-    """Matrices larger than one slab: every slab's rows land in their own columns."""
-    from specengine.ops import blocks_cpp
-
-    monkeypatch.setattr(blocks_cpp, "SLAB_BYTES", 4 * 96 * 10)  # 10 rows a slab
+@pytest.mark.parametrize("isa", ISAS)
+def test_prompt_sized_products_cross_panels_and_parts(isa):
+    """Matrices of several 32-row panels whose edges fall inside parts of different types: every
+    panel's rows land in their own columns."""
     rng = np.random.default_rng(6)
     m = matrix((WeightType.Q4_1, random_blocks(WeightType.Q4_1, 23, 96, rng, "gguf")),
-               (WeightType.Q8_0, random_blocks(WeightType.Q8_0, 12, 96, rng, "gguf")))
-    check_product(m, torch.randn(2, 40, 96), torch.randn(35))
+               (WeightType.Q8_0, random_blocks(WeightType.Q8_0, 12, 96, rng, "gguf")),
+               (WeightType.F16, random_blocks(WeightType.F16, 40, 96, rng, "gguf")))
+    with cpu_isa_limit(isa):
+        check_product(m, torch.randn(2, 40, 96), torch.randn(75))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -278,8 +279,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(weight_type, isa):
 
 @pytest.mark.parametrize("weight_type", [WeightType.Q4_1, WeightType.Q4_K], ids=lambda t: t.name)
 def test_a_prompts_result_does_not_depend_on_its_batch(weight_type):
-    """Prompt-sized products (blocked GEMMs): a prompt's rows get the same bits alone and in a batch
-    of prompts, at any offset among the GEMM blocks."""
+    """Prompt-sized products (gemm_blocks): a prompt's rows get the same bits alone and in a batch
+    of prompts, whatever the other prompts hold."""
     rng = np.random.default_rng(22)
     g = torch.Generator().manual_seed(22)
     K = 512 if weight_type in K_QUANTS else 96
@@ -308,6 +309,134 @@ def test_a_nibble_swap_would_fail_the_product_test():
         want = linear_blocks(x, wrong, impl="reference")
         atol = 1e-5 * math.sqrt(96) * scale_of(x, dequantize_reference(m))
         torch.testing.assert_close(linear_blocks(x, m, impl="cpp"), want, atol=atol, rtol=0)
+
+
+# ---- prompt-sized products (gemm_blocks): a float32 sum's error, and batch invariance --------------
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, K] @ w [N, K]^T + bias by the prompt-sized op, at any R (a float32 w: one F32 part)."""
+    return gemm_blocks_cpp(x, w, bias)
+
+
+def gemm_error_ok(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Within a sequential float32 sum's bound: |got - exact| <= (K + 2) 2^-24 (sum |x w| + |bias|),
+    exact and the bound in float64."""
+    exact = x.double() @ w.double().t()
+    magnitude = x.double().abs() @ w.double().abs().t()
+    if bias is not None:
+        exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
+    return bool(((got.double() - exact).abs() <= (x.shape[-1] + 2) * 2.0 ** -24 * magnitude).all())
+
+
+# K: one weight, none a multiple of the 16 lanes of a vector, SmolLM2's widths; N: one column, a
+# panel's tail (32 rows a panel), several panels, and a vocabulary's many panels split over threads.
+GEMM_SHAPES = [(33, 1, 3), (40, 17, 1), (64, 100, 49), (33, 576, 1536), (100, 1536, 37), (35, 45, 49157)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("R,K,N", GEMM_SHAPES)
+def test_gemm_is_within_a_float32_sums_error(R, K, N, isa):
+    g = torch.Generator().manual_seed(R * K + N)
+    x, w, bias = torch.randn(R, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    with cpu_isa_limit(isa):
+        for b in (bias, None):
+            got = gemm(x, w, b)
+            assert got.shape == (R, N) and gemm_error_ok(got, x, w, b)
+
+
+def test_a_dropped_tail_would_fail_the_error_test():
+    """Planted: a product that skips the last K % 16 weights (a forgotten tail) breaks the bound."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(33, 100, generator=g), torch.randn(5, 100, generator=g)
+    assert gemm_error_ok(gemm(x, w), x, w, None)
+    assert not gemm_error_ok(gemm(x[:, :96].contiguous(), w[:, :96].contiguous()), x, w, None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_gemm_is_exact_on_integer_operands(isa):
+    """Small integers make every product and partial sum exact in any order: a wrong lane, a
+    dropped tail, a misplaced bias or a panel's row in the wrong column shows as an inequality."""
+    g = torch.Generator().manual_seed(8)
+    with cpu_isa_limit(isa):
+        for R, K, N in [(33, 37, 11), (47, 16, 33), (15, 100, 70), (1, 1, 1)]:
+            x = torch.randint(-8, 9, (R, K), generator=g).float()
+            w = torch.randint(-8, 9, (N, K), generator=g).float()
+            bias = torch.randint(-8, 9, (N,), generator=g).float()
+            assert torch.equal(gemm(x, w, bias), x @ w.t() + bias)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_gemm_writes_only_its_columns_of_a_wider_output(isa):
+    """out_stride > N: the N columns of each row are the product, the rest of the row untouched."""
+    g = torch.Generator().manual_seed(9)
+    x, w, bias = torch.randn(40, 100, generator=g), torch.randn(45, 100, generator=g), torch.randn(45, generator=g)
+    wide = torch.full((40, 70), float("nan"))
+    with cpu_isa_limit(isa):
+        _C.gemm_blocks(x.data_ptr(), matrix_descriptor(w), bias.data_ptr(), wide.data_ptr(), 40, 70)
+        assert torch.equal(wide[:, :45], gemm(x, w, bias))
+    assert wide[:, 45:].isnan().all()
+    with pytest.raises(ValueError, match="out_stride"):
+        _C.gemm_blocks(x.data_ptr(), matrix_descriptor(w), 0, wide.data_ptr(), 40, 44)
+
+
+def rows_keep_their_bits(product, x: torch.Tensor, noise: torch.Tensor) -> bool:
+    """Whether product(rows) [R, N] gives each row of x [T, K] (T <= 33) the bits it gets alone: in
+    batches of 33, 64 and 100 rows at different positions among other rows (noise [100, K]), under
+    chunkings of the T rows, and with 1, 2 or 3 threads."""
+    alone = torch.cat([product(x[t:t + 1]) for t in range(len(x))])
+    same = True
+    for size, at in [(33, 0), (33, 33 - len(x)), (64, 7), (100, 100 - len(x)), (100, 31)]:
+        batch = noise[:size].clone()
+        batch[at:at + len(x)] = x
+        same &= torch.equal(product(batch)[at:at + len(x)], alone)
+    for chunk in (2, 7, 16):
+        same &= torch.equal(torch.cat([product(x[t:t + chunk]) for t in range(0, len(x), chunk)]), alone)
+    threads = torch.get_num_threads()  # torch's OpenMP runtime is the one specengine._C runs on
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            batch = noise.clone()
+            batch[50:50 + len(x)] = x
+            same &= torch.equal(product(batch)[50:50 + len(x)], alone)
+    finally:
+        torch.set_num_threads(threads)
+    return same
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("K,N", [(17, 3), (576, 200), (1536, 33), (100, 1)])
+def test_a_rows_gemm_result_does_not_depend_on_its_batch(K, N, isa):
+    g = torch.Generator().manual_seed(K + N)
+    w, bias = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    x, noise = torch.randn(30, K, generator=g), torch.randn(100, K, generator=g) * 100
+    with cpu_isa_limit(isa):
+        assert rows_keep_their_bits(lambda rows: gemm(rows, w, bias), x, noise)
+
+
+def test_a_sum_whose_order_follows_the_batch_would_fail_the_invariance_test():
+    """Planted: the sum over k cut in pieces whose size follows the row count, as a BLAS picking
+    its blocking by shape would: rows_keep_their_bits says so."""
+    g = torch.Generator().manual_seed(10)
+    w, x = torch.randn(9, 576, generator=g), torch.randn(30, 576, generator=g)
+    noise = torch.randn(100, 576, generator=g)
+
+    def by_count(rows):
+        step = 64 * (1 + len(rows) % 3)
+        return sum(gemm(rows[:, k:k + step].contiguous(), w[:, k:k + step].contiguous()) for k in range(0, 576, step))
+    assert rows_keep_their_bits(lambda rows: gemm(rows, w), x, noise)
+    assert not rows_keep_their_bits(by_count, x, noise)
+
+
+def test_avx512_and_avx2_gemms_agree_bit_for_bit():
+    """Both sum each output as the same chain of FMAs (gemm_blocks.h), so they agree exactly."""
+    g = torch.Generator().manual_seed(11)
+    x, w, bias = torch.randn(45, 100, generator=g), torch.randn(70, 100, generator=g), torch.randn(70, generator=g)
+    results = {}
+    for isa in ("avx512", "avx2"):
+        with cpu_isa_limit(isa):
+            results[isa] = gemm(x, w, bias)
+    assert torch.equal(results["avx512"], results["avx2"])
 
 
 # ---- embedding rows ----------------------------------------------------------------------------

@@ -3,12 +3,15 @@ CPU, compiled on a GPU) against the torch reference (ops.blocks.dequantize_refer
 F.linear) and gguf's own numpy dequantization: every weight type; row lookups bit for bit;
 products within float32 summation error on hostile shapes (1 to 64 activation rows, 1 to 8193
 output rows, one block to odd numbers of blocks, split K); parts of mixed types; a row's product
-the same bits alone and in batches of any size (decode and verification steps; prompts); planted
-bugs that the exactness check catches; and, compiled for sm_90, dequantization free of fused
-multiply-adds."""
+the same bits alone and in batches of any size (decode and verification steps; prompts); a
+matrix's runs of parts of one type merged (as a GPU holds them): the same bits in fewer launches;
+planted bugs that the exactness checks catch; and, compiled for sm_90, dequantization free of
+fused multiply-adds."""
+import itertools
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -79,6 +82,22 @@ def assert_close_to_exact(got, x, weights, bias):
     bound = (x.shape[-1] + 2) * 2.0**-24 * magnitude + 1e-30
     error = (got.cpu().double().reshape(exact.shape) - exact).abs()
     assert (error <= bound).all(), f"error {(error - bound).max().item()} past the bound"
+
+
+BLOCK_KERNELS = ("_gemv_kernel", "_gemm_kernel", "_combine_kernel", "_rows_kernel")
+
+
+def count_launches(monkeypatch) -> Counter:
+    """Counts of the block kernels' launches from here on, by kernel name (each launch still runs)."""
+    counts = Counter()
+    for name in BLOCK_KERNELS:
+        fn = getattr(kernels, name)
+
+        def counted(*args, _name=name, _run=fn.run, **kwargs):
+            counts[_name] += 1
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(fn, "run", counted)
+    return counts
 
 
 def gguf_dequantized(part: MatrixPart) -> torch.Tensor:
@@ -216,6 +235,87 @@ def test_mixed_parts_fill_their_columns():
             assert_close_to_exact(got, x, weights, bias)
         ids = torch.randint(0, N, (40,), generator=g).to(DEVICE)
         assert_bit_exact(embedding_rows(matrix, ids, impl="triton"), weights[ids])
+
+
+# Packed projections as files store them, (weight type, rows) per part over K, and the types of
+# their merged parts: q/k/v of one type (one part); Q4_K_M's q and k in Q4_K, v in Q6_K (two);
+# float and 32-weight types in runs of one and two, a part of one row among them.
+PACKED = [(((T.Q8_0, 40), (T.Q8_0, 7), (T.Q8_0, 7)), 256, (T.Q8_0,)),
+          (((T.Q4_K, 33), (T.Q4_K, 7), (T.Q6_K, 17)), 512, (T.Q4_K, T.Q6_K)),
+          (((T.F16, 5), (T.F16, 1), (T.Q4_1, 31), (T.F16, 9), (T.Q4_1, 2), (T.Q4_1, 64)), 96,
+           (T.F16, T.Q4_1, T.F16, T.Q4_1))]
+
+
+def merged_and_not(parts, K: int, merged_types) -> tuple[BlockMatrix, BlockMatrix]:
+    """(the matrix of these parts as stored, the same merged), the merged one checked: its parts'
+    types, its weights the stored ones, and a part alone in its run kept (not copied)."""
+    matrix = matrix_of(*[random_part(t, rows, K, seed=7 * i) for i, (t, rows) in enumerate(parts)])
+    merged = matrix.merged()
+    assert merged.weight_types == merged_types and merged.shape == matrix.shape
+    assert_bit_exact(dequantize_reference(merged), dequantize_reference(matrix))
+    alone = {p.data.data_ptr() for p in matrix.parts} & {p.data.data_ptr() for p in merged.parts}
+    assert len(alone) == sum(len(list(run)) == 1 for _, run in itertools.groupby(matrix.weight_types))
+    return matrix, merged
+
+
+@pytest.mark.parametrize("parts, K, merged_types", PACKED, ids=["Q8_0", "Q4_K_M", "mixed"])
+def test_merged_parts_compute_the_same_bits_in_fewer_launches(parts, K, merged_types, monkeypatch):
+    """A matrix whose consecutive parts of one type are merged (as a GPU holds it: layers.blocks)
+    computes the same bits as the file's parts, one launch per merged part (and with K split one
+    combine for the matrix, whatever its parts): decode and verification
+    steps (one and more row tiles), prompts (compiled; the interpreter's tl.dot is numpy's matmul,
+    whose rounding of an output can change with its column in the tile: there within summation
+    error), and lookups. A small split target makes a part of 7 rows alone split K otherwise than
+    the matrix (8 splits against 4): a row's sums follow the matrix's split, never its part's
+    (test_a_split_planned_per_part_would_change_the_bits: the other way, other bits)."""
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 8)
+    monkeypatch.setattr(kernels, "MIN_SPLIT_GROUPS", 1)
+    matrix, merged = merged_and_not(parts, K, merged_types)
+    N = matrix.out_features
+    g = torch.Generator().manual_seed(K)
+    bias = torch.randn(N, generator=g).to(DEVICE)
+    steps = [torch.randn(1, K, generator=g), torch.randn(9, K, generator=g), torch.randn(2, 3, K, generator=g)]
+    launches = count_launches(monkeypatch)
+    for x in steps:
+        x = x.to(DEVICE)
+        launches.clear()
+        stored = linear_blocks(x, matrix, bias, impl="triton")
+        stored_launches = dict(launches)
+        launches.clear()
+        got = linear_blocks(x, merged, bias, impl="triton")
+        assert_bit_exact(got, stored)
+        assert_close_to_exact(got, x, dequantize_reference(matrix), bias)
+        # one product per part, and (K split here) one combine for the matrix
+        assert launches == {"_gemv_kernel": len(merged.parts), "_combine_kernel": 1}
+        assert stored_launches == {"_gemv_kernel": len(matrix.parts), "_combine_kernel": 1}
+    prompts = torch.randn(2, 33, K, generator=g).to(DEVICE)
+    stored = linear_blocks(prompts, matrix, bias, impl="triton")
+    launches.clear()
+    got = linear_blocks(prompts, merged, bias, impl="triton")
+    assert launches == {"_gemm_kernel": len(merged.parts)}
+    assert_close_to_exact(got, prompts, dequantize_reference(matrix), bias)
+    if DEVICE == "cuda":
+        assert_bit_exact(got, stored)
+    ids = torch.randint(0, N, (40,), generator=g).to(DEVICE)
+    stored = embedding_rows(matrix, ids, impl="triton")
+    launches.clear()
+    assert_bit_exact(embedding_rows(merged, ids, impl="triton"), stored)
+    assert launches == {"_rows_kernel": len(merged.parts)}
+
+
+def test_a_split_planned_per_part_would_change_the_bits(monkeypatch):
+    """The check above can fail: each part of the Q8_0 q/k/v computed as a matrix of its own, its
+    split of K planned for its rows (8 splits for k's and v's 7 rows, 4 in the matrix), gives
+    other bits than the merged matrix, which gives the stored parts' bits."""
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 8)
+    monkeypatch.setattr(kernels, "MIN_SPLIT_GROUPS", 1)
+    matrix, merged = merged_and_not(*PACKED[0])
+    x = torch.randn(9, matrix.in_features, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    got = linear_blocks(x, merged, impl="triton")
+    assert_bit_exact(got, linear_blocks(x, matrix, impl="triton"))
+    per_part = torch.cat([linear_blocks(x, BlockMatrix((p,)), impl="triton") for p in matrix.parts], dim=-1)
+    with pytest.raises(AssertionError, match="weights differ"):
+        assert_bit_exact(got, per_part)
 
 
 def test_empty_and_bias_only_products():

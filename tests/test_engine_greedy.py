@@ -6,21 +6,12 @@ from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.drafters.ngram import NgramDrafter
 
-from engine_util import assert_kernels_ran, device_head_dims, tiny_model
+from engine_util import assert_kernels_ran, device_head_dims, greedy_fixtures, tiny_model
 
 V = 48
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [4], [9, 9, 9, 9, 9]]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(V, seed=0, logit_scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def baseline(target):
-    return [r.token_ids for r in Engine(target).generate(PROMPTS, GREEDY)]
+target, baseline = greedy_fixtures(V, PROMPTS, GREEDY)
 
 
 def drafter_for(kind, target):

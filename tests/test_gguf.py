@@ -167,6 +167,35 @@ def smollm2():
     return smollm2_gguf()
 
 
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_off_the_cpu_a_run_of_parts_of_one_type_is_one_part(device):
+    """Loaded onto a GPU (meta, without one: the same copy off the CPU), a packed matrix holds each
+    run of consecutive parts of one type as one part (layers.blocks: one launch of the Triton
+    kernels): llama.cpp's Q4_K_M file has q, k, v and gate, up in Q4_K (one part each), but layer
+    1's v in Q6_K (two parts). On the CPU the file's parts stay as they are."""
+    from gguf_util import gguf_file
+
+    path = gguf_file("tiny-llama.Q4_K_M.gguf")
+    cpu, moved = load_model(path), load_model(path, device=device)
+
+    def parts(model, name: str) -> list[list[str]]:
+        """Each layer's parts of projection `name`, by type."""
+        return [[t.name for t in m.weight_types] for n, m in model.named_modules() if n.endswith(name)]
+
+    assert parts(cpu, "qkv_proj") == [["Q4_K", "Q4_K", "Q4_K"], ["Q4_K", "Q4_K", "Q6_K"]]
+    assert parts(cpu, "gate_up_proj") == [["Q4_K", "Q4_K"]] * 2
+    assert parts(moved, "qkv_proj") == [["Q4_K"], ["Q4_K", "Q6_K"]]
+    assert parts(moved, "gate_up_proj") == [["Q4_K"]] * 2
+    assert parts(moved, "down_proj") == parts(cpu, "down_proj") == [["Q4_K"], ["Q6_K"]]
+    for stored, merged in zip(cpu.model.layers, moved.model.layers):
+        assert merged.self_attn.qkv_proj.matrix.shape == stored.self_attn.qkv_proj.matrix.shape
+        assert merged.self_attn.qkv_proj.part_0.device.type == device
+    if device == "cuda":  # the rows, stacked
+        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+            want = torch.cat([p.data for p in cpu.get_submodule(f"model.layers.1.{name}").matrix.parts[:2]])
+            assert torch.equal(moved.get_submodule(f"model.layers.1.{name}").part_0.cpu(), want)
+
+
 def test_smollm2_gguf_logits_and_greedy_tokens_equal_transformers(smollm2):
     from specengine import Engine, SamplingParams
 

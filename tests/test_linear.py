@@ -87,6 +87,44 @@ def test_the_instruction_set_limit_is_checked_and_restored():
     assert _C.cpu_isa() == widest
 
 
+# Prompt-sized products (GEMM_ROWS or more tokens per row) on CPUs without AMX: the weights
+# widened 32 rows at a time and float32 FMA tiles (layers.linear.blocked_gemm, ops.blocks_cpp).
+WIDENED_IMPLS = ["avx512", "avx2", "portable"]
+
+
+@pytest.mark.parametrize("isa", WIDENED_IMPLS)
+@pytest.mark.parametrize("T,K,N", [(32, 17, 5), (40, 576, 97), (33, 100, 1), (64, 1536, 33)])
+def test_prompt_sized_products_match_the_float32_reference(isa, T, K, N):
+    from specengine.layers.linear import linear_product
+
+    x, weight, bias = operands(2 * T, K, N, bias=N % 2 == 1)
+    x = x.view(2, T, K)
+    with cpu_isa_limit(isa):
+        got = linear_product(x, weight, bias)
+    exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ weight.double().abs().t() + (0 if bias is None else bias.double().abs())
+    assert got.shape == (2, T, N) and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= (K + 2) * 2.0 ** -24 * scale).all()
+
+
+@pytest.mark.parametrize("isa", WIDENED_IMPLS)
+def test_a_prompts_rows_do_not_depend_on_the_prompts_beside_it(isa):
+    """Bitwise: a prompt's product alone, in a batch of prompts (whatever they hold) and cut in
+    chunks of GEMM_ROWS or more tokens."""
+    from specengine.layers.linear import GEMM_ROWS, linear_product
+
+    x, weight, bias = operands(3 * 100, 576, 200, bias=True)
+    prompts = x.view(3, 100, 576)
+    with cpu_isa_limit(isa):
+        alone = linear_product(prompts[1:2], weight, bias)
+        assert torch.equal(linear_product(prompts, weight, bias)[1:2], alone)
+        prompts[0] = 1000.0
+        assert torch.equal(linear_product(prompts, weight, bias)[1:2], alone)
+        chunks = [linear_product(prompts[1:2, t:t + 50], weight, bias) for t in (0, 50)]
+        assert torch.equal(torch.cat(chunks, dim=1), alone)
+        assert torch.equal(linear_product(prompts[1:2, 60:60 + GEMM_ROWS], weight, bias), alone[:, 60:60 + GEMM_ROWS])
+
+
 # The AMX op: prompt-sized products, tiles of 16 rows and 32 k, blocks of 32 columns.
 AMX_SHAPES = [(1, 1, 1), (15, 2, 15), (16, 31, 16), (17, 32, 17), (33, 33, 31), (64, 576, 33), (40, 1537, 97),
               (100, 64, 8193), (3, 48, 32)]

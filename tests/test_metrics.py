@@ -43,11 +43,12 @@ class Scrape:
         return self.types["specengine:" + name]
 
 
-def stats(prompt_tokens=0, generated=0, rounds=0, drafted=(), accepted=(), gamma=3) -> DecodeStats:
+def stats(prompt_tokens=0, generated=0, rounds=0, drafted=(), histogram=(), gamma=3) -> DecodeStats:
+    """drafted: rounds by draft position; histogram: rounds by drafts accepted."""
     s = DecodeStats(gamma=gamma, prompt_tokens=prompt_tokens, generated_tokens=generated, rounds=rounds)
     if drafted:
-        s.drafted_by_position, s.accepted_by_position = list(drafted), list(accepted)
-        s.drafted, s.accepted = sum(drafted), sum(accepted)
+        s.drafted_by_position, s.accepted_histogram = list(drafted), list(histogram)
+        s.drafted, s.accepted = sum(drafted), sum(k * n for k, n in enumerate(histogram))
     return s
 
 
@@ -67,7 +68,7 @@ def test_outputs_and_finishes_are_counted():
                                                                                      stats(prompt_tokens=4))])
     metrics.delivered([RequestOutput("a", [], "", False, None, s)])  # tokens held back: no gap measured
     # Three rounds: one of three drafts (all accepted), one of two (one accepted), one of none.
-    final = stats(prompt_tokens=7, generated=5, rounds=3, drafted=[2, 2, 1], accepted=[2, 1, 1])
+    final = stats(prompt_tokens=7, generated=5, rounds=3, drafted=[2, 2, 1], histogram=[1, 1, 0, 1])
     metrics.delivered([RequestOutput("a", [4], "w", True, "length", final)])
     metrics.delivered([RequestOutput("b", [], "", True, "abort", stats(prompt_tokens=4, generated=1))])
 

@@ -45,13 +45,15 @@ def test_a_block_of_rounds_counts_gamma_drafts_in_every_round():
 
 def test_combine_sums_positions_and_reports_them():
     a, b = DecodeStats(gamma=2), DecodeStats(gamma=3)
-    a.drafted_by_position, a.accepted_by_position = [4, 2], [3, 1]
-    b.drafted_by_position, b.accepted_by_position = [2, 2, 2], [1, 1, 0]
+    a.drafted_by_position, a.accepted_histogram = [4, 2], [1, 2, 1]
+    b.drafted_by_position, b.accepted_histogram = [2, 2, 2], [1, 0, 1, 0]
+    assert a.accepted_by_position == [3, 1] and b.accepted_by_position == [1, 1, 0]
     total = DecodeStats.combine([a, b], wall_time_s=1.0)
     assert total.drafted_by_position == [6, 4, 2] and total.accepted_by_position == [4, 2, 0]
     assert total.acceptance_by_position == [4 / 6, 0.5, 0.0]
     d = total.to_dict()
     assert d["drafted_by_position"] == [6, 4, 2] and d["acceptance_by_position"] == [4 / 6, 0.5, 0.0]
+    assert d["accepted_by_position"] == [4, 2, 0]
     d["drafted_by_position"].append(1)  # a copy: the stats stay as they were
     assert total.drafted_by_position == [6, 4, 2]
     assert "acceptance by position [0.67, 0.50, 0.00]" in total.summary()

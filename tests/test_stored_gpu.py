@@ -5,7 +5,9 @@ model on the "torch" backend (dequantized matrices, then F.linear): logits withi
 summation error for a ragged prefill, a verification-sized step and a decode step; the same
 greedy tokens through the Engine, target-only and speculative (the model drafting for itself, so
 that every round verifies gamma + 1 tokens a row against what its decode steps computed); and
-the kernels ran: no fallback, the products went through ops.blocks_triton."""
+the kernels ran: no fallback, the products went through ops.blocks_triton. Moved to CUDA, the model
+holds its packed q/k/v and gate/up merged into one part each (layers.blocks; on a CPU the move is
+emulated), and computes the same bits in fewer launches per layer."""
 import os
 
 import torch
@@ -21,10 +23,12 @@ from specengine import Engine, SamplingParams  # noqa: E402
 from specengine.devtools.tiny import stored_copy  # noqa: E402
 from specengine.drafters.model import ModelDrafter  # noqa: E402
 from specengine.kernels import blocks as kernels  # noqa: E402
+from specengine.layers import blocks as block_layers  # noqa: E402
 from specengine.ops import blocks_triton  # noqa: E402
 from specengine.steps.feed import feed  # noqa: E402
 
 from engine_util import assert_kernels_ran, device_head_dims, tiny_model  # noqa: E402
+from test_blocks_triton import count_launches  # noqa: E402
 
 V = 32
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27, 1]]
@@ -103,3 +107,37 @@ def test_stored_matrices_on_the_triton_backend(device, head_dim, weight_type, mo
     assert greedy_tokens(model, "triton") == baseline
     assert greedy_tokens(model, "triton", gamma=3) == baseline
     assert_kernels_ran(model)
+
+
+@pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
+@pytest.mark.parametrize("device, head_dim", device_head_dims())
+def test_the_device_copy_merges_parts_into_fewer_launches(device, head_dim, weight_type, monkeypatch,
+                                                           interpreter_tiles):
+    """The model with the file's parts on the device (the merge held off), then moved there as a
+    model is (on a CPU, emulated: a CPU that holds parts merged, as CUDA does): its q/k/v and
+    gate/up, each of one type, become one part each, and its logits are the same bits in fewer
+    block launches: per decoder layer, 4 products instead of 7 (3 q/k/v, o, 2 gate/up, down)."""
+    with monkeypatch.context() as held_off:
+        held_off.setattr(block_layers, "holds_parts_merged", lambda device: False)
+        model = stored_model(weight_type, head_dim, device)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert (len(attn.qkv_proj.weight_types), len(mlp.gate_up_proj.weight_types)) == (3, 2)
+    layers = model.config.num_layers
+    launches = count_launches(monkeypatch)
+    stored = run_logits(model, "triton")
+    stored_launches = dict(launches)
+
+    if device == "cpu":
+        monkeypatch.setattr(block_layers, "holds_parts_merged", lambda device: True)
+    model.to(device)
+    assert (len(attn.qkv_proj.weight_types), len(mlp.gate_up_proj.weight_types)) == (1, 1)
+    assert attn.qkv_proj.matrix.shape == (attn.q_size + 2 * attn.kv_size, model.config.hidden_size)
+    launches.clear()
+    merged = run_logits(model, "triton")
+    assert_kernels_ran(model)
+    assert torch.equal(merged.view(torch.int32), stored.view(torch.int32))
+    # run_logits makes three forwards, each an embedding lookup, the layers' products and the head's
+    assert stored_launches["_rows_kernel"] == launches["_rows_kernel"] == 3
+    assert stored_launches["_gemv_kernel"] == 3 * (7 * layers + 1)
+    assert launches["_gemv_kernel"] == 3 * (4 * layers + 1)
+    assert launches["_combine_kernel"] == stored_launches["_combine_kernel"]  # one a product whose K is split

@@ -13,11 +13,12 @@ from specengine import Engine, SamplingParams
 from specengine.drafters.suffix import SuffixDrafter, SuffixTree
 from specengine.engine.gamma import CostModel
 
-from engine_util import tiny_model
+from engine_util import greedy_fixtures, tiny_model
 
 V = 32
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [3, 1, 4, 1, 5, 9, 2, 6]]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
+target, baseline = greedy_fixtures(V, PROMPTS, GREEDY)
 SAMPLING = type("Sampling", (), {"seeds": torch.zeros(1, dtype=torch.int64)})()  # propose() reads its device
 # gamma="auto" costs: a free drafter, verification a little dearer per token.
 COSTS = {b: CostModel(0.0, tuple(1.0 + 0.05 * k for k in range(5))) for b in (1, 8)}
@@ -189,16 +190,6 @@ def test_drafts_from_the_encoder_input():
 
 
 # ---- in the engine
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(V, seed=0, logit_scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def baseline(target):
-    return [r.token_ids for r in Engine(target).generate(PROMPTS, GREEDY)]
 
 
 @pytest.mark.parametrize("gamma, options", [

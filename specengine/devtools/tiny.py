@@ -150,12 +150,20 @@ K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0,
 def random_k_blocks(weight_type: str, rows: int, cols: int, rng, low: float, high: float):
     """Random blocks of a K-quant type, uint8 [rows, row_bytes] (numpy): random codes, each float16
     scale drawn uniformly from [low, high)."""
+    return random_blocks(weight_type, rows, cols, rng, {offset: (low, high) for offset in K_SCALE_OFFSETS[weight_type]})
+
+
+def random_blocks(weight_type: str, rows: int, cols: int, rng, scale_ranges: dict[int, tuple[float, float]]):
+    """Random blocks of a GGUF block type, uint8 [rows, row_bytes] (numpy): random codes, and at each
+    byte offset of scale_ranges a float16 scale drawn uniformly from its [low, high). Valid blocks of
+    the type at any size (codes need no quantizing), for a type whose scales have different sizes
+    (Q4_K's d and dmin) or that is not a K-quant (Q8_0's d at offset 0)."""
     import gguf
     import numpy as np
 
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[weight_type]]
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for offset in K_SCALE_OFFSETS[weight_type]:
+    for offset, (low, high) in scale_ranges.items():
         scales = rng.uniform(low, high, size=(rows, cols // block)).astype(np.float16)
         data[:, :, offset: offset + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
     return data.reshape(rows, -1)

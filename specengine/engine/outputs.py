@@ -36,10 +36,6 @@ class Outputs:
         per_round = outcome.drafted // outcome.rounds if outcome.rounds else 0
         for position in range(per_round):
             s.drafted_by_position[position] += outcome.rounds
-        at_least = 0  # rounds that accepted at least position + 1 drafts
-        for position in range(len(outcome.histogram) - 2, -1, -1):
-            at_least += outcome.histogram[position + 1]
-            s.accepted_by_position[position] += at_least
         self._append(r, outcome.tokens)
         if r.finish_reason is not None:
             r.stats.wall_time_s = time.perf_counter() - r.added_at

@@ -23,10 +23,9 @@ class DecodeStats:
     accepted: int = 0        # draft tokens accepted
     rejections: int = 0      # rounds that ended by rejecting a draft
     accepted_histogram: list[int] = field(default_factory=list)  # [gamma+1]: rounds by drafts accepted
-    # Per draft position i (0-based, [gamma]): rounds that proposed at least i + 1 drafts, and rounds
-    # that accepted at least i + 1. They sum to drafted and accepted.
+    # Per draft position i (0-based, [gamma]): rounds that proposed at least i + 1 drafts; it sums to
+    # drafted. Its accepted counterpart, accepted_by_position, follows from accepted_histogram.
     drafted_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
 
     def __post_init__(self):
@@ -34,8 +33,13 @@ class DecodeStats:
             self.accepted_histogram = [0] * (self.gamma + 1)
         if not self.drafted_by_position:
             self.drafted_by_position = [0] * self.gamma
-        if not self.accepted_by_position:
-            self.accepted_by_position = [0] * self.gamma
+
+    @property
+    def accepted_by_position(self) -> list[int]:
+        """Per draft position i (0-based, [gamma]): rounds that accepted at least i + 1 drafts. It
+        sums to accepted."""
+        h = self.accepted_histogram
+        return [sum(h[i + 1:]) for i in range(len(h) - 1)]
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -72,16 +76,16 @@ class DecodeStats:
                 setattr(total, name, getattr(total, name) + getattr(p, name))
             for i, count in enumerate(p.accepted_histogram):
                 total.accepted_histogram[i] += count
-            for i, (drafted, accepted) in enumerate(zip(p.drafted_by_position, p.accepted_by_position)):
+            for i, drafted in enumerate(p.drafted_by_position):
                 total.drafted_by_position[i] += drafted
-                total.accepted_by_position[i] += accepted
         total.wall_time_s = wall_time_s
         return total
 
     def to_dict(self) -> dict:
         out = {k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()}
-        out.update(acceptance_rate=self.acceptance_rate, acceptance_by_position=self.acceptance_by_position,
-                   tokens_per_round=self.tokens_per_round, tokens_per_s=self.tokens_per_s)
+        out.update(accepted_by_position=self.accepted_by_position, acceptance_rate=self.acceptance_rate,
+                   acceptance_by_position=self.acceptance_by_position, tokens_per_round=self.tokens_per_round,
+                   tokens_per_s=self.tokens_per_s)
         return out
 
     def summary(self) -> str:

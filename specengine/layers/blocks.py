@@ -3,7 +3,11 @@ and a head tied to that embedding.
 
 Each part's bytes are a buffer of the module (so model.to(device) moves them, and a file's
 memory map stays their storage on a CPU); the BlockMatrix the ops take is rebuilt from them when
-they change. `impl` is the ops' implementation the model's backend runs (models.backend sets it
+they change. Off the CPU (holds_parts_merged) a module holds each run of consecutive parts of one
+weight type as one part (BlockMatrix.merged), merged where the parts arrive there (set_parts, or
+a move): the Triton kernels launch once per part, and a GPU holds a copy of the bytes anyway,
+whereas a CPU's parts stay views of the file's memory map (the C++ op takes every part in one
+call). `impl` is the ops' implementation the model's backend runs (models.backend sets it
 when it chooses a backend), so that a forward tests no flags.
 """
 from __future__ import annotations
@@ -13,6 +17,11 @@ from torch import nn
 
 from ..ops.blocks import BlockMatrix, MatrixPart, WeightType, embedding_rows, linear_blocks
 from .tracked import TracksParameterAssignments
+
+
+def holds_parts_merged(device: torch.device) -> bool:
+    """Whether a module holds its matrix's parts merged on `device` (see the module docstring)."""
+    return device.type != "cpu"
 
 
 class HoldsBlockMatrix(nn.Module):
@@ -27,11 +36,14 @@ class HoldsBlockMatrix(nn.Module):
         self._matrix: BlockMatrix | None = None
 
     def set_parts(self, parts: list[MatrixPart]):
-        """Hold these parts (rows stacked in order): out_features rows of in_features weights."""
+        """Hold these parts (rows stacked in order): out_features rows of in_features weights,
+        merged off the CPU (holds_parts_merged)."""
         matrix = BlockMatrix(tuple(parts))
         if matrix.shape != (self.out_features, self.in_features):
             raise ValueError(f"a {type(self).__name__} of [{self.out_features}, {self.in_features}] got a "
                              f"matrix of {list(matrix.shape)}")
+        if holds_parts_merged(matrix.device):
+            matrix = matrix.merged()
         for i in range(len(self.weight_types)):
             delattr(self, f"part_{i}")
         for i, part in enumerate(matrix.parts):
@@ -52,6 +64,9 @@ class HoldsBlockMatrix(nn.Module):
     def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
         self._matrix = None  # the buffers may be new tensors (moved)
+        types = self.weight_types
+        if any(a == b for a, b in zip(types, types[1:])) and holds_parts_merged(self.matrix.device):
+            self.set_parts(list(self.matrix.parts))  # moved off the CPU: merged there
         return result
 
     def extra_repr(self) -> str:

@@ -2,20 +2,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.linear import GEMM_BLOCK, GEMM_ROWS, amx_available, gemm_bf16_weight_amx_cpp, linear_bf16_weight_cpp
+from ..ops.blocks_cpp import gemm_blocks_cpp
+from ..ops.linear import GEMM_BLOCK  # noqa: F401 (engine.prefix_cache imports it from here)
+from ..ops.linear import GEMM_ROWS, amx_available, gemm_bf16_weight_amx_cpp, linear_bf16_weight_cpp
 from .tracked import TracksParameterAssignments
 
 
 def blocked_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T + bias as float32 in GEMMs of GEMM_BLOCK rows (weight widened once)."""
-    weight = weight.float()
-    rows = x.reshape(-1, x.shape[-1])
-    R = rows.shape[0]
-    pad = -R % GEMM_BLOCK
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-    out = torch.cat([F.linear(rows[i:i + GEMM_BLOCK], weight, bias) for i in range(0, R + pad, GEMM_BLOCK)])
-    return out[:R].view(*x.shape[:-1], -1)
+    """x [..., K] float32 @ weight [N, K]^T + bias as float32, on CPUs without AMX: the prompt-sized
+    C++ op (ops.blocks_cpp.gemm_blocks_cpp), which widens the weights 32 rows at a time."""
+    return gemm_blocks_cpp(x, weight if weight.is_contiguous() else weight.contiguous(), bias)
 
 
 class Linear(TracksParameterAssignments, nn.Linear):
@@ -24,7 +20,7 @@ class Linear(TracksParameterAssignments, nn.Linear):
     - bfloat16 weights with float32 inputs (how the loader keeps a bfloat16 checkpoint on a
       CPU): the C++ op widens the weights on the fly, reading half the bytes of a float32 copy;
       with GEMM_ROWS or more tokens per row ([B, T, K] inputs), the AMX op where the CPU has AMX,
-      else blocked GEMMs on the widened weights.
+      else float32 GEMM tiles on weights widened a panel at a time (blocked_gemm).
     - float32 weights, 2..32 rows (a verification of gamma + 1 tokens, a small batch):
       oneDNN/MKL's x @ W^T was measured 2-4x slower than W @ x^T on an AVX2 CPU (e.g.
       512 -> 8192 at 5 rows: 7.4 ms vs 2.0 ms), which made verifying k tokens cost k times

@@ -182,7 +182,8 @@ def _load_gguf(path: Path, device, dtype, weight_dtype, tp: TensorParallel | Non
 
 def fill_stored_model(model: LlamaForCausalLM, tensors, source: Path) -> LlamaForCausalLM:
     """A stored-matrix model filled from (name, MatrixPart or vector tensor) pairs: each matrix
-    module gets its parts (moved to the model's device), the vectors load as fill_model loads them."""
+    module gets its parts (copied to the model's device, where set_parts merges each run of one
+    weight type: layers.blocks), the vectors load as fill_model loads them."""
     from ..ops.blocks import MatrixPart
 
     parts, vectors = {}, []

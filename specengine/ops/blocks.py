@@ -8,6 +8,8 @@ Terms used throughout:
   part          rows of one weight type, held as raw bytes uint8 [rows, row_bytes]. A packed
                 projection (q, k and v; gate and up) is the parts of its checkpoint matrices,
                 stacked; in a Q4_K_M file those can differ in type (v in Q6_K, q and k in Q4_K).
+                Consecutive parts of one type can be merged into one (BlockMatrix.merged), as
+                layers.blocks holds them on a GPU.
   dequantized   a weight's float32 value, computed exactly as the `gguf` package's numpy
                 dequantization computes it (the same float32 operations in the same order; none
                 fused), so that a product over these weights is transformers' float32 load of the
@@ -25,6 +27,7 @@ Implementations of the products (linear_blocks) and lookups (embedding_rows), ch
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +143,17 @@ class BlockMatrix:
 
     def to(self, device: torch.device | str) -> BlockMatrix:
         return BlockMatrix(tuple(MatrixPart(p.weight_type, p.data.to(device)) for p in self.parts))
+
+    def merged(self) -> BlockMatrix:
+        """The same matrix with each run of consecutive parts of one weight type as one part: their
+        rows stacked, which is exact (a row is whole blocks of its type, and every part has the
+        matrix's in_features). A run's bytes are copied into the new part; a part alone in its run
+        is kept as it is."""
+        parts = []
+        for _, run in itertools.groupby(self.parts, key=lambda p: p.weight_type):
+            run = list(run)
+            parts.append(run[0] if len(run) == 1 else MatrixPart(run[0].weight_type, torch.cat([p.data for p in run])))
+        return BlockMatrix(tuple(parts))
 
     @staticmethod
     def from_dense(weight: torch.Tensor) -> BlockMatrix:

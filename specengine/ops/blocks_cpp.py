@@ -2,8 +2,12 @@
 
   linear_blocks_cpp   fewer than GEMM_ROWS tokens per row (decoding, verification): the few-row C++
                       op, which reads each weight block once for all rows; from GEMM_ROWS tokens
-                      per row on (a prefill), slabs of weight rows dequantized by the C++ op and
-                      float32 GEMMs over them in blocks of GEMM_BLOCK rows
+                      per row on (a prefill), gemm_blocks_cpp
+  gemm_blocks_cpp     prompt-sized products (csrc/gemm_blocks.cpp): the matrix's rows dequantized
+                      32 at a time into a float32 panel, and float32 FMA tiles over it; each
+                      output's bits depend only on its row of x and its weight row (batch
+                      invariance). Also layers.linear's product of bfloat16 weights on CPUs
+                      without AMX (a dense tensor is a matrix of one part).
   embedding_rows_cpp  rows dequantized by the C++ op
 
 No argument checks here: ops.blocks' entry points check (the model's calls skip them; the loader
@@ -14,13 +18,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
 
-from .linear import GEMM_BLOCK, GEMM_ROWS  # decided on tokens per row (x [..., T, K]); a 2-d x is R one-token rows
-
-# Weight rows dequantized at a time for the GEMMs: this many bytes of float32, to stay in L2/L3
-# while every block of rows runs over them. Slabs depend only on the matrix's shape, never on x.
-SLAB_BYTES = 4 << 20
+from .linear import GEMM_ROWS  # decided on tokens per row (x [..., T, K]); a 2-d x is R one-token rows
 
 # id(matrix) -> (weakref to it, its descriptor, out_features), for BlockMatrix objects (frozen:
 # their parts' tensors are theirs for life). The weak reference both drops the entry when the
@@ -64,6 +63,18 @@ def matrix_descriptor(matrix) -> tuple[int, ...]:
 
 def linear_blocks_cpp(x: torch.Tensor, matrix, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 @ dequantized(matrix)^T + bias -> float32 [..., N] (see ops.blocks.linear_blocks)."""
+    if x.dim() >= 3 and x.shape[-2] >= GEMM_ROWS:
+        return gemm_blocks_cpp(x, matrix, bias)
+    return _call(x, matrix, bias, gemm=False)
+
+
+def gemm_blocks_cpp(x: torch.Tensor, matrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 @ dequantized(matrix)^T + bias -> float32 [..., N] by the prompt-sized op,
+    at any row count; matrix a BlockMatrix or a contiguous float32/float16/bfloat16 tensor [N, K]."""
+    return _call(x, matrix, bias, gemm=True)
+
+
+def _call(x: torch.Tensor, matrix, bias: torch.Tensor | None, gemm: bool) -> torch.Tensor:
     from .. import _C
 
     descriptor, N = _descriptor(matrix)
@@ -74,35 +85,14 @@ def linear_blocks_cpp(x: torch.Tensor, matrix, bias: torch.Tensor | None) -> tor
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     K = descriptor[0]
-    if x.dim() >= 3 and x.shape[-2] >= GEMM_ROWS:
-        return _blocked_gemm(x, descriptor, N, bias)
     out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
     R = x.numel() // K if K else out.numel() // max(N, 1)
-    _C.linear_blocks(x.data_ptr(), descriptor, 0 if bias is None else bias.data_ptr(), out.data_ptr(), R)
+    bias_address = 0 if bias is None else bias.data_ptr()
+    if gemm:
+        _C.gemm_blocks(x.data_ptr(), descriptor, bias_address, out.data_ptr(), R, N)
+    else:
+        _C.linear_blocks(x.data_ptr(), descriptor, bias_address, out.data_ptr(), R)
     return out
-
-
-def _blocked_gemm(x: torch.Tensor, descriptor: tuple[int, ...], N: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """Prompt-sized products: each slab of weight rows dequantized once, then GEMMs of GEMM_BLOCK rows."""
-    from .. import _C
-
-    K = descriptor[0]
-    rows = x.reshape(-1, K)
-    R = rows.shape[0]
-    pad = -R % GEMM_BLOCK
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, K)])
-    out = torch.empty((R + pad, N), dtype=torch.float32)
-    slab = max(1, SLAB_BYTES // (4 * max(K, 1)))
-    weights = torch.empty((min(slab, N), K), dtype=torch.float32)
-    for n0 in range(0, N, slab):
-        n1 = min(N, n0 + slab)
-        w = weights[:n1 - n0]
-        _C.dequantize_rows(descriptor, n0, n1, w.data_ptr())
-        b = None if bias is None else bias[n0:n1]
-        for i in range(0, R + pad, GEMM_BLOCK):
-            out[i:i + GEMM_BLOCK, n0:n1] = F.linear(rows[i:i + GEMM_BLOCK], w, b)
-    return out[:R].view(*x.shape[:-1], N)
 
 
 def dequantize_rows_cpp(matrix, row_begin: int = 0, row_end: int | None = None) -> torch.Tensor:

@@ -1,8 +1,14 @@
 """Host side of specengine.kernels.blocks: products and row lookups of a BlockMatrix, computed from
 its parts' bytes on the GPU (in Triton's interpreter on CPU tensors). specengine.ops.blocks
 validates (linear_blocks, embedding_rows); these allocate and launch, one launch per part (its
-weight type a constexpr) into the part's range of output columns. Nothing reads the device: every
-grid and buffer depends only on the shapes, so a graph-captured step can replay them.
+weight type a constexpr) into the part's range of output columns. On a GPU a matrix's consecutive
+parts of one type are one part (layers.blocks merges them when it holds them there), so a packed
+q/k/v or gate/up of one type is one launch. Each part's split of K is the whole matrix's, so a
+row's bits do not depend on how the matrix is cut into parts, and with K split the parts write
+their partial sums into one buffer that one combine adds up. (Parts of different types, Q4_K_M's
+q/k in Q4_K and v in Q6_K, stay a launch each: the type is a constexpr of the kernel.) Nothing
+reads the device: every grid and buffer depends only on the shapes, so a graph-captured step can
+replay them.
 """
 from __future__ import annotations
 
@@ -34,28 +40,18 @@ def part_weights(part: MatrixPart) -> tuple[torch.Tensor, int]:
     return weights, weights.shape[1]
 
 
-def _linear_part(x: torch.Tensor, part: MatrixPart, bias: torch.Tensor | None, out: torch.Tensor,
-                 tokens_per_row: int):
-    """out [R, rows] (a column range of the output, row stride out.stride(0)) = x @ part^T + bias."""
+def _product_part(x: torch.Tensor, part: MatrixPart, p: dict, bias: torch.Tensor | None, out: torch.Tensor):
+    """One part's product by plan p (kernels.plan) into out, its column range of the output [R, rows]
+    (with its bias), or with K split of the partial sums [splits, R, rows] (no bias: the combine
+    adds it)."""
     R, K = x.shape
-    N = part.rows
     weights, row_stride = part_weights(part)
-    p = kernels.plan(R, N, K, tokens_per_row)
     kernel = kernels._gemv_kernel if p["kernel"] == "gemv" else kernels._gemm_kernel
-    consts = dict(TYPE=int(part.weight_type), BLOCK_R=p["BLOCK_R"], BLOCK_N=p["BLOCK_N"], EXACT=_exact(x.device),
-                  num_warps=p["num_warps"])
     has_bias = int(bias is not None)
-    splits = p["splits"]
-    if splits == 1:
-        kernel[p["grid"]](x, weights, bias if has_bias else out, out, R, N, K, row_stride, p["groups_per_split"], 0,
-                          out.stride(0), has_bias, **consts)
-        return
-    partial = torch.empty(splits, R, N, dtype=torch.float32, device=x.device)
-    kernel[p["grid"]](x, weights, partial, partial, R, N, K, row_stride, p["groups_per_split"], R * N, N, 0,
-                      **consts)
-    grid = (R, -(-N // kernels.COMBINE_BLOCK))
-    kernels._combine_kernel[grid](partial, bias if has_bias else partial, out, R, N, splits, out.stride(0), has_bias,
-                                  BLOCK=kernels.COMBINE_BLOCK, num_warps=kernels.NUM_WARPS)
+    split_stride = out.stride(0) if out.dim() == 3 else 0
+    kernel[p["grid"]](x, weights, bias if has_bias else out, out, R, part.rows, K, row_stride, p["groups_per_split"],
+                      split_stride, out.stride(-2), has_bias, TYPE=int(part.weight_type), BLOCK_R=p["BLOCK_R"],
+                      BLOCK_N=p["BLOCK_N"], EXACT=_exact(x.device), num_warps=p["num_warps"])
 
 
 def linear_blocks_triton(
@@ -63,7 +59,8 @@ def linear_blocks_triton(
     matrix: BlockMatrix,               # [N, K] as stored, on x's device
     bias: torch.Tensor | None = None,  # [N] float32, or None
 ) -> torch.Tensor:
-    """x @ dequantized(matrix)^T + bias, float32 [..., N]."""
+    """x @ dequantized(matrix)^T + bias, float32 [..., N]: a launch per part, and with K split one
+    combine for the whole matrix (every part's split is the matrix's)."""
     K, N = matrix.in_features, matrix.out_features
     lead = x.shape[:-1]
     R = lead.numel()
@@ -78,12 +75,22 @@ def linear_blocks_triton(
     tokens_per_row = x.shape[-2] if x.dim() >= 3 else 1
     x = x.reshape(R, K).contiguous()
     bias = None if bias is None else bias.contiguous()
+    splits = kernels.plan(R, N, K, tokens_per_row)["splits"]
+    partial = None if splits == 1 else torch.empty(splits, R, N, dtype=torch.float32, device=x.device)
     col = 0
     for part in matrix.parts:
         if part.rows:
-            _linear_part(x, part, None if bias is None else bias[col:col + part.rows], out[:, col:col + part.rows],
-                         tokens_per_row)
+            columns = slice(col, col + part.rows)
+            p = kernels.plan(R, part.rows, K, tokens_per_row, N)
+            if partial is None:
+                _product_part(x, part, p, None if bias is None else bias[columns], out[:, columns])
+            else:
+                _product_part(x, part, p, None, partial[:, :, columns])
         col += part.rows
+    if partial is not None:
+        grid = (R, -(-N // kernels.COMBINE_BLOCK))
+        kernels._combine_kernel[grid](partial, partial if bias is None else bias, out, R, N, splits, out.stride(0),
+                                      int(bias is not None), BLOCK=kernels.COMBINE_BLOCK, num_warps=kernels.NUM_WARPS)
     return out.reshape(*lead, N)
 
 

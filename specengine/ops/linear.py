@@ -19,20 +19,18 @@ import torch.nn.functional as F
 IMPLEMENTATIONS = ("auto", "cpp", "amx", "reference")
 
 # From this many tokens per row (a prefill) products are GEMMs (layers.linear's bfloat16 matrices,
-# ops.blocks_cpp's stored ones). On a 2-core
-# AVX-512 CPU the C++ few-row op held ~100 GFLOP/s at any row count, while widening the weight and
-# oneDNN's sgemm reached 108-160 at 32 rows, 270-300 at 64 and 300-330 at 200 (SmolLM2's
-# 576 -> 1536, 576 -> 3072 and 1536 -> 576 products); below 32 rows the C++ op was faster. Where
-# the CPU has AMX, the GEMMs are ops.linear's AMX op instead (float32-accurate; SmolLM2's prefill
-# of 64-256 tokens took 0.47-0.58x the time of the widened sgemm's on that CPU, 0.39x at 32:
-# bench/results/prefill-cpu-2026-12-01.json).
+# ops.blocks_cpp's stored ones): ops.blocks_cpp's gemm_blocks, or ops.linear's AMX op where the
+# CPU has AMX (float32-accurate; SmolLM2's prefill of 64-256 tokens took 0.47-0.58x the time of
+# a widened-weight sgemm's on that CPU, 0.39x at 32: bench/results/prefill-cpu-2026-12-01.json).
+# On the 2-core AVX-512 (Zen 5) VM, SmolLM2's Q4_1 gate/up (576 -> 3072) and down (1536 -> 576)
+# products took, few-row op against gemm_blocks: 135/187 and 72/106 us at 8 rows, 306/305 and
+# 211/168 at 24, 392/372 and 271/204 at 32, 745/642 and 520/343 at 64.
 # The choice is made on tokens per row, not rows in all, so that a decoding row takes the same
 # path in a batch of any size (verifications have at most max_gamma + 1 tokens per row).
 GEMM_ROWS = 32
-# The GEMMs run in blocks of this many rows, the last padded: sgemm's result for a row changed
-# with the rows in the call (1536 -> 576 from 64 rows on), but in a call of 64 rows it was the
-# same at every position and whatever the other rows held. So a prompt's cache entries do not
-# depend on the prompts prefilled with it, and a seeded request samples alike in any batch.
+# Tokens per block of the prefix cache (engine.prefix_cache): a request given cached blocks starts
+# its prefill at a multiple of it. No product needs rows in blocks: the CPU GEMMs (gemm_blocks,
+# the AMX op) sum each row on its own, so a row's bits do not depend on the rows beside it.
 GEMM_BLOCK = 64
 
 
