@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "vector_math.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -55,31 +56,6 @@ void transpose_into_panel(const float* rows, int64_t cols, int64_t K, float* pan
 }
 
 #ifdef SPECENGINE_X86
-// v[i] = lane i of each of v[0..15] in turn (the 16 x 16 transpose): pairs of rows interleaved,
-// then pairs of pairs, then 128-bit quarters twice.
-SPECENGINE_AVX512 inline void transpose16(__m512 (&v)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    v[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    v[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    v[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    v[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 2; ++i)
-    for (int c = 0; c < 4; ++c) {
-      t[8 * i + c] = _mm512_shuffle_f32x4(v[8 * i + c], v[8 * i + 4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-      t[8 * i + 4 + c] = _mm512_shuffle_f32x4(v[8 * i + c], v[8 * i + 4 + c], _MM_SHUFFLE(3, 1, 3, 1));
-    }
-  for (int c = 0; c < 8; ++c) {
-    v[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(2, 0, 2, 0));
-    v[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
-
 // transpose_into_panel, 16 x 16 weights at a time.
 SPECENGINE_AVX512 void transpose_into_panel_avx512(const float* rows, int64_t cols, int64_t K, float* panel,
                                                    int64_t half) {
@@ -89,7 +65,7 @@ SPECENGINE_AVX512 void transpose_into_panel_avx512(const float* rows, int64_t co
     __m512 v[16];
     for (int64_t j = 0; j < 16; ++j)
       v[j] = j < cols ? _mm512_maskz_loadu_ps(valid, rows + j * K + k0) : _mm512_setzero_ps();
-    transpose16(v);
+    transpose16x16(v);
     for (int64_t i = 0; i < width; ++i) _mm512_storeu_ps(panel + (k0 + i) * kPanelCols + half, v[i]);
   }
 }

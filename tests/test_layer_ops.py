@@ -7,7 +7,7 @@ from specengine.layers.rotary import rope_cos_sin, rope_inv_freq
 from specengine.models import load_model
 from specengine.models.config import RopeConfig
 from specengine.models.llama import StepInputs
-from specengine.ops.attention import attention_mask, cached_attention
+from specengine.ops.attention import apply_rope, attention_mask, cached_attention
 from specengine.ops.decoder_layer import decoder_layer
 from specengine.ops.norm import rms_norm
 
@@ -134,6 +134,162 @@ def test_attention_errors_name_the_problem():
         cached_attention(q, k, v, cos, sin, positions - 5, cache_k, cache_v, 2, impl="cpp")
     with pytest.raises(ValueError, match="impl must be one of"):
         cached_attention(*case, 2, impl="fast")
+
+
+# ---- a query's bits: the same alone, chunked, batched, on any thread count ---------------------
+
+def prompt_case(N, H, Hkv, D, seed=0):
+    """One prompt's q [1, N, H, D], k and v [1, N, Hkv, D] (a row the op is fed in chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, N, H, D, generator=g), torch.randn(1, N, Hkv, D, generator=g),
+            torch.randn(1, N, Hkv, D, generator=g))
+
+
+def rope(positions, D):
+    return rope_cos_sin(rope_inv_freq(RopeConfig(theta=10000.0), D), positions, torch.float32)
+
+
+def attend_chunked(attend, prompt, chunk, window, capacity):
+    """The prompt's attention [N, H * D] with its tokens fed `chunk` a call onto an empty cache."""
+    q, k, v = prompt
+    N, Hkv, D = q.shape[1], k.shape[2], q.shape[3]
+    cache_k, cache_v = torch.zeros(1, capacity + 1, Hkv, D), torch.zeros(1, capacity + 1, Hkv, D)
+    outs = []
+    for t0 in range(0, N, chunk):
+        t1 = min(N, t0 + chunk)
+        positions = torch.arange(t0, t1)[None]
+        outs.append(attend(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], *rope(positions, D), positions, cache_k, cache_v,
+                           t1, window))
+    return torch.cat(outs, dim=1)[0]
+
+
+def attend_in_batch(attend, prompt, window, capacity, seed=1):
+    """The prompt's attention [N, H * D] unchunked, as row 1 of 3: the others at later positions
+    over random caches (so kv_len runs past the prompt's keys, and the rows' work differs)."""
+    q, k, v = prompt
+    N, H, Hkv, D = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.tensor([capacity - N, 0, (capacity - N) // 3])
+    positions = starts[:, None] + torch.arange(N)
+    qb, kb, vb = (torch.cat([torch.randn(x.shape, generator=g), x, torch.randn(x.shape, generator=g)])
+                  for x in (q, k, v))
+    cache_k, cache_v = (torch.randn(3, capacity + 1, Hkv, D, generator=g) for _ in range(2))
+    cache_k[1].zero_(), cache_v[1].zero_()
+    return attend(qb, kb, vb, *rope(positions, D), positions, cache_k, cache_v, capacity, window)[1]
+
+
+def queries_keep_their_bits(attend, prompt, window, chunks=(1, 5, 33), capacity=None) -> bool:
+    """Whether every query of the prompt gets the same bits fed whole, in chunks of each size
+    (decoding, verification, chunked prefill), as one row of a batch, and with 1 and 2 threads."""
+    N = prompt[0].shape[1]
+    capacity = capacity or N + 100
+    whole = attend_chunked(attend, prompt, N, window, capacity)
+    same = all(torch.equal(attend_chunked(attend, prompt, chunk, window, capacity), whole) for chunk in chunks)
+    threads = torch.get_num_threads()  # torch's OpenMP runtime is the one specengine._C runs on
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            same &= torch.equal(attend_chunked(attend, prompt, N, window, capacity), whole)
+            same &= torch.equal(attend_in_batch(attend, prompt, window, capacity), whole)
+    finally:
+        torch.set_num_threads(threads)
+    return same
+
+
+def cpp_attention(*args):
+    return cached_attention(*args, impl="cpp")
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("H,Hkv,D,window", [(9, 3, 64, None), (9, 3, 64, 100), (4, 4, 8, None), (8, 1, 128, 37)])
+def test_a_querys_attention_does_not_depend_on_its_call(H, Hkv, D, window, isa):
+    """512 tokens (SmolLM2's heads first): each query's bits at T = 1, 5, 33 and 512, batched,
+    on 1 and 2 threads."""
+    prompt = prompt_case(512, H, Hkv, D, seed=H + D)
+    with cpu_isa_limit(isa):
+        assert queries_keep_their_bits(cpp_attention, prompt, window)
+
+
+def blocked_attention(block_of):
+    """Attention in torch whose keys are taken in blocks of block_of(T) (online softmax: the
+    running max and sum rescaled at each block). Every sum is a chain of elementwise float32 adds
+    and exp is taken in float64, so that with a fixed block size each query's bits are its own
+    (torch's reductions and float32 exp pick their order and code path by the tensor's shape);
+    with a size that follows T (a kernel choosing its tiling by shape), the rescalings move."""
+    def exp(x):
+        return torch.exp(x.double()).float().nan_to_num(0.0)  # -inf - -inf (no key yet): weight 0
+
+    def attend(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len, window):
+        B, T, H, D = q.shape
+        group = H // k.shape[2]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rows = torch.arange(B)[:, None]
+        cache_k[rows, positions], cache_v[rows, positions] = k, v
+        keys = cache_k[:B, :kv_len].repeat_interleave(group, dim=2).permute(0, 2, 3, 1)[:, None]  # [B, 1, H, D, S]
+        values = cache_v[:B, :kv_len].repeat_interleave(group, dim=2).permute(0, 2, 1, 3)[:, None]  # [B, 1, H, S, D]
+        scores = torch.zeros(B, T, H, kv_len)
+        for d in range(D):
+            scores = scores + q[..., d, None] * keys[..., d, :]
+        scores = (scores / D ** 0.5).masked_fill(~attention_mask(positions, kv_len, window)[:, 0, :, None, :],
+                                                 float("-inf"))
+        m = torch.full((B, T, H), float("-inf"))
+        total, acc = torch.zeros(B, T, H), torch.zeros(B, T, H, D)
+        block = block_of(T)
+        for s0 in range(0, kv_len, block):
+            part = scores[..., s0:s0 + block]
+            m_new = torch.maximum(m, part.amax(-1))
+            alpha, p = exp(m - m_new), exp(part - m_new[..., None])
+            total, acc = total * alpha, acc * alpha[..., None]
+            for j in range(part.shape[-1]):
+                total = total + p[..., j]
+                acc = acc + p[..., j, None] * values[..., s0 + j, :]
+            m = m_new
+        return (acc / total[..., None]).reshape(B, T, H * D)
+    return attend
+
+
+def test_an_order_that_follows_the_call_would_fail_the_invariance_test():
+    """Planted: online softmax over key blocks whose size follows T; the same arithmetic with a
+    fixed block size passes (so the check catches the order, not torch)."""
+    prompt = prompt_case(80, 4, 2, 16, seed=3)
+    assert queries_keep_their_bits(blocked_attention(lambda T: 16), prompt, None, chunks=(1, 7, 33))
+    assert not queries_keep_their_bits(blocked_attention(lambda T: 8 * (1 + T % 3)), prompt, None, chunks=(1, 7, 33))
+
+
+ACCURACY_CALLS = [  # T, start (kv_len = start + T)
+    (1, 0),      # one key
+    (5, 12),     # a verification over 17 keys
+    (17, 0),     # a prefill of 17
+    (33, 480),   # a chunk of a prefill, 513 keys
+    (1, 512),    # a decode step over 513 keys
+]
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("window", [None, 5, 100])
+@pytest.mark.parametrize("T,start", ACCURACY_CALLS)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("D", [8, 64, 128])
+def test_attention_is_accurate_on_hostile_shapes(D, group, T, start, window, isa):
+    """Against the torch reference within float32 rounding: head sizes 8 to 128, 1 to 8 query
+    heads a kv head, 1 to 513 keys, sliding windows, two ragged rows."""
+    Hkv = 2
+    case = attention_case(2, T, group * Hkv, Hkv, D, start + T + 3, [start, max(0, start - 3)], seed=D + group)
+    kv_len = start + T
+    want = run("reference", case, kv_len, window)[0]
+    with cpu_isa_limit(isa):
+        got = run("cpp", case, kv_len, window)[0]
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+
+
+def test_avx512_and_avx2_attention_agree_bit_for_bit():
+    """Both run each lane's operations in the same order (layers.cpp), so they agree exactly."""
+    case = attention_case(2, 37, 9, 3, 64, 600, [0, 500], seed=7)
+    results = {}
+    for isa in ("avx512", "avx2"):
+        with cpu_isa_limit(isa):
+            results[isa] = run("cpp", case, 537, 64)[0]
+    assert torch.equal(results["avx512"], results["avx2"])
 
 
 @pytest.mark.parametrize("shape", [(1, 192), (3, 5, 512), (7, 1), (2, 33), (0, 8)])
@@ -285,6 +441,25 @@ def test_relative_attention_matches_the_reference(B, T, H, D, slots, starts, kin
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     if kind == "cross":
         assert torch.equal(got_k, cache_k)  # nothing written
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_a_relative_attention_querys_bits_do_not_depend_on_its_call(isa):
+    """T5 self-attention shares cached_attention's kernels: a prompt fed whole, a token at a time
+    or 7 at a time gives every query the same bits."""
+    from specengine.ops.attention import relative_attention
+
+    N, H, D = 40, 3, 16
+    q, k, v, _, cache_k, cache_v, table = relative_case(1, N, H, D, N + 1, [0])
+    results = []
+    with cpu_isa_limit(isa):
+        for chunk in (N, 1, 7):
+            ck, cv = torch.zeros_like(cache_k), torch.zeros_like(cache_v)
+            outs = [relative_attention(q[:, t0:t0 + chunk], k[:, t0:t0 + chunk], v[:, t0:t0 + chunk],
+                                       torch.arange(t0, min(N, t0 + chunk))[None], ck, cv, min(N, t0 + chunk), table,
+                                       impl="cpp") for t0 in range(0, N, chunk)]
+            results.append(torch.cat(outs, dim=1))
+    assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
 def test_relative_attention_bias_is_the_keys_distance_back():

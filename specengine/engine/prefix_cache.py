@@ -28,11 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.linear import GEMM_BLOCK
+from .prefill_budget import CHUNK
 
-# Tokens per block: the prefill GEMMs' block (layers.linear), so that a request given cached
-# blocks starts its own prefill at a multiple of it, as chunks do.
-BLOCK = GEMM_BLOCK
+# Tokens per block: a multiple of the prefill's chunk, so that a request given cached blocks
+# starts its own prefill on a chunk edge, as chunked prompts do; large enough that hashing and
+# copying a block's entries cost little beside computing them.
+BLOCK = 2 * CHUNK
 
 
 def block_keys(tokens: list[int]) -> list[bytes]:

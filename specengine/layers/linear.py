@@ -3,7 +3,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.blocks_cpp import gemm_blocks_cpp
-from ..ops.linear import GEMM_BLOCK  # noqa: F401 (engine.prefix_cache imports it from here)
 from ..ops.linear import GEMM_ROWS, amx_available, gemm_bf16_weight_amx_cpp, linear_bf16_weight_cpp
 from .tracked import TracksParameterAssignments
 

@@ -7,7 +7,8 @@ positions, and let every query attend to the cache keys at or before its own pos
 past the row's length and no query sees them until they are overwritten.
 
   "cpp"        specengine._C.cached_attention: float32 on a CPU, one call instead of ~10 torch
-               ops that cost 0.5 ms per layer of the shipped models (dispatch, not arithmetic)
+               ops that cost 0.5 ms per layer of the shipped models (dispatch, not arithmetic);
+               each query's bits are the same whatever call it comes in (csrc/layers.h)
   "triton"     specengine.kernels: rotary and the cache write in one launch, then split-KV
                attention and its merge (three launches; the model's path on CUDA)
   "reference"  torch ops and scaled_dot_product_attention (the oracle; every other device/dtype)

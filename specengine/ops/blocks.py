@@ -17,8 +17,8 @@ Terms used throughout:
 
 Implementations of the products (linear_blocks) and lookups (embedding_rows), chosen by `impl`:
   "cpp"        specengine._C (ops.blocks_cpp): CPU, float32 activations; the few-row product reads
-               each weight block once for all rows; prefill-sized products dequantize a slab of
-               rows and run float32 GEMMs over it
+               each weight block once for all rows; prefill-sized products (gemm_blocks) dequantize
+               32 weight rows at a time into a panel that every row of x passes over
   "triton"     specengine.kernels.blocks (ops.blocks_triton): CUDA tensors, blocks dequantized in
                registers
   "reference"  dequantize_reference below, then F.linear: the oracle (itself checked bit for bit

@@ -28,10 +28,6 @@ IMPLEMENTATIONS = ("auto", "cpp", "amx", "reference")
 # The choice is made on tokens per row, not rows in all, so that a decoding row takes the same
 # path in a batch of any size (verifications have at most max_gamma + 1 tokens per row).
 GEMM_ROWS = 32
-# Tokens per block of the prefix cache (engine.prefix_cache): a request given cached blocks starts
-# its prefill at a multiple of it. No product needs rows in blocks: the CPU GEMMs (gemm_blocks,
-# the AMX op) sum each row on its own, so a row's bits do not depend on the rows beside it.
-GEMM_BLOCK = 64
 
 
 def _check(cond: bool, message: str):
