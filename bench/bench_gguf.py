@@ -37,7 +37,7 @@ import torch
 from specengine import Engine, SamplingParams
 from specengine.shipped import DEFAULT_DRAFT_DIR, smollm2_gguf
 
-from common import CHAT_REQUESTS, RESULTS
+from common import CHAT_REQUESTS, RESULTS, cpu_name
 
 DEFAULT_FILES = Path.home() / ".cache" / "specengine" / "bench-gguf"
 
@@ -136,7 +136,7 @@ def main():
                  file_mb=files[kind].stat().st_size / 1e6)
         summary[kind] = m
     record = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-              "cpu": _cpu_name(), "threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens,
+              "cpu": cpu_name(), "threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens,
               "prompt_tokens": args.prompt_tokens, "summary": summary, "runs": runs,
               "files": {k: str(v) for k, v in files.items()}}
     out = args.out or RESULTS / f"gguf-cpu-{record['date']}.json"
@@ -149,16 +149,6 @@ def main():
               f"{m['spec_alpha']:5.2f} {m['llamacpp_prefill']:12.1f} {m['target_prefill']:8.1f} "
               f"{m['prefill_vs_llamacpp']:5.2f}")
     print(f"wrote {out}")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from specengine.layers import linear
 from specengine.models import load_model
 from specengine.ops import blocks_cpp
 
-from common import write_json
+from common import cpu_name, write_json
 
 GGUF_FOLDER = Path.home() / ".cache" / "specengine" / "bench-gguf"
 # SmolLM2-135M's products (K -> N): q and o, k and v, gate and up, down, a 4 MiB slab of the head.
@@ -168,22 +167,12 @@ def main():
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)  # specengine._C runs on torch's OpenMP runtime: both ops follow
-    record = {"machine": machine_name(), "cpu": _cpu_name(), "date": datetime.date.today().isoformat(),
+    record = {"machine": machine_name(), "cpu": cpu_name(), "date": datetime.date.today().isoformat(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "isa": _C.cpu_isa()}
     if args.kernels:
         record["kernels"] = kernel_rows(args.repeats)
     record["prefill"] = [row for name in args.models for row in prefill_rows(name, args.lengths, args.repeats)]
     write_json(record, args.out, f"{args.label}-{datetime.date.today().isoformat()}.json")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
