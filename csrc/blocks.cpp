@@ -787,14 +787,14 @@ BLOCKS_AVX512 void slice_avx512(const Slice& s, float* buffer) {
 }
 #endif  // SPECENGINE_X86
 
-enum class Path { portable, avx2, avx512 };
+using Path = VectorPath;
 
 Path choose_path() {
 #ifdef SPECENGINE_X86
-  if (use_blocks_avx512()) return Path::avx512;
-  if (use_avx2()) return Path::avx2;
+  return vector_path(use_blocks_avx512());
+#else
+  return vector_path(false);
 #endif
-  return Path::portable;
 }
 
 template <WeightType T>

@@ -197,15 +197,9 @@ SPECENGINE_AVX512 void tile_avx512(const float* xt, int64_t K, const float* pane
 }
 #endif  // SPECENGINE_X86
 
-enum class Path { portable, avx2, avx512 };
+using Path = VectorPath;
 
-Path choose_path() {
-#ifdef SPECENGINE_X86
-  if (use_avx512()) return Path::avx512;
-  if (use_avx2()) return Path::avx2;
-#endif
-  return Path::portable;
-}
+Path choose_path() { return vector_path(use_avx512()); }
 
 int64_t tile_rows(Path path) {
   switch (path) {
