@@ -32,8 +32,10 @@
 
 namespace specengine {
 
-int64_t block_weights(int64_t type) {
-  switch (static_cast<WeightType>(type)) {
+namespace {
+
+constexpr int64_t block_weights_of(WeightType type) {
+  switch (type) {
     case WeightType::F32: case WeightType::F16: case WeightType::BF16: return 1;
     case WeightType::Q4_0: case WeightType::Q4_1: case WeightType::Q5_0: case WeightType::Q5_1:
     case WeightType::Q8_0: return 32;
@@ -42,8 +44,8 @@ int64_t block_weights(int64_t type) {
   return 0;
 }
 
-int64_t block_bytes(int64_t type) {
-  switch (static_cast<WeightType>(type)) {
+constexpr int64_t block_bytes_of(WeightType type) {
+  switch (type) {
     case WeightType::F32: return 4;
     case WeightType::F16: case WeightType::BF16: return 2;
     case WeightType::Q4_0: return 18;
@@ -57,6 +59,11 @@ int64_t block_bytes(int64_t type) {
   }
   return 0;
 }
+
+}  // namespace
+
+int64_t block_weights(int64_t type) { return block_weights_of(static_cast<WeightType>(type)); }
+int64_t block_bytes(int64_t type) { return block_bytes_of(static_cast<WeightType>(type)); }
 
 namespace {
 
@@ -259,13 +266,280 @@ void slice_portable(const Slice& s, float* buffer) {
   }
 }
 
-// ---- AVX2 path: blocks dequantized by the portable code into a buffer, AVX2/FMA products ----
-
 #ifdef SPECENGINE_X86
-#define BLOCKS_AVX2 __attribute__((target("avx2,fma")))
+// ---- AVX2 path -------------------------------------------------------------------------------
+// The AVX-512 path's design on 8-lane vectors: a block is dequantized into registers, 8 weights
+// at a time in natural order, and multiplied against up to 4 rows of x while there; past
+// kDirectRows rows, a group of weight rows is dequantized once into a buffer that the tiles run
+// over. Without a 16-entry permute, a nibble becomes a weight by widening (vpmovzxbd), an integer
+// to float conversion and one FMA, exact as exact_affine explains. Each (row of x, weight row)
+// has one vector of partial sums over k in steps of 8, the same from registers or the buffer.
+// (F16C converts the scale fields: every AVX2 CPU has it, the path still asks.)
+#define BLOCKS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define BLOCKS_AVX2_INLINE BLOCKS_AVX2 SPECENGINE_INLINE
+
+// kPrefetchBytes for this path: tuned on the 2-core Zen 3 VM it ran on (SmolLM2's Q4_1 matrices
+// streamed from memory, 2 threads), where 4 KB ahead took 131-135 us a matrix, 2 KB 137-151,
+// 16 KB 145-196 and none 209.
+constexpr int64_t kPrefetchBytesAvx2 = 4096;
+
+bool use_blocks_avx2() {
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  return f16c && use_avx2();
+}
+
+// Bytes p[0..7] as 8 int32 lanes: unsigned, signed.
+BLOCKS_AVX2_INLINE __m256i widen_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+BLOCKS_AVX2_INLINE __m256i widen_i8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Weights 8v .. 8v + 7 of a legacy block's 32 nibbles (qs: 16 bytes, weight i < 16 the low
+// nibble of byte i, weight 16 + i its high nibble), as int32 lanes.
+BLOCKS_AVX2_INLINE __m256i nibbles(const uint8_t* qs, int v) {
+  const __m256i bytes = widen_u8(qs + 8 * (v & 1));
+  return v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4);
+}
+
+// Bit 8v + l of the 32-bit word qh in lane l, moved to bit 4 (Q5_0, Q5_1's fifth bits).
+BLOCKS_AVX2_INLINE __m256i fifth_bits(uint32_t qh, int v) {
+  const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * v))),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(1)), 4);
+}
+
+// A format's blocks in 256-bit registers:
+//   scales(b, s)                the block's kScales float32 scales, written to s (once, ahead)
+//   piece(s, b, g, v)           its weights 32 g + 8 v .. 32 g + 8 v + 7 (g < kGroups, v < 4)
+// The float types are taken as "blocks" of 32 weights.
+template <WeightType T>
+struct Avx2Blocks {
+  static constexpr bool kFloat = block_weights_of(T) == 1;
+  static constexpr int64_t kWeights = kFloat ? 32 : block_weights_of(T), kBytes = kWeights * block_bytes_of(T) / block_weights_of(T);
+  static constexpr int64_t kGroups = kWeights == 256 ? 8 : 1;
+  static constexpr int64_t kScales = T == WeightType::Q4_K || T == WeightType::Q5_K || T == WeightType::Q6_K ? 16
+                                     : T == WeightType::Q4_1 || T == WeightType::Q5_1                         ? 2
+                                     : T == WeightType::Q8_0 || T == WeightType::Q4_0 || T == WeightType::Q5_0 ? 1
+                                                                                                               : 0;
+
+  // (Each float16 field is moved into a zeroed register, not inserted into a live one: an
+  // insert would chain every block's conversion to the last one's.)
+  BLOCKS_AVX2_INLINE static void scales(const uint8_t* b, float* s) {
+    if constexpr (T == WeightType::Q8_0 || T == WeightType::Q4_0 || T == WeightType::Q5_0) {
+      s[0] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(b))));
+    } else if constexpr (T == WeightType::Q4_1 || T == WeightType::Q5_1) {
+      _mm_storel_pi(reinterpret_cast<__m64*>(s), _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b)))));  // d, m
+    } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
+      alignas(16) float d_dmin[4];
+      _mm_store_ps(d_dmin, _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b)))));
+      const float d = d_dmin[0], dmin = d_dmin[1];
+      int sc[8], m[8];
+      scale_min_k4(b + 4, sc, m);
+      for (int j = 0; j < 8; ++j) {
+        s[j] = d * static_cast<float>(sc[j]);
+        s[8 + j] = dmin * static_cast<float>(m[j]);
+      }
+    } else if constexpr (T == WeightType::Q6_K) {
+      const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(b + 208)))));
+      for (int half = 0; half < 2; ++half)
+        _mm256_storeu_ps(s + 8 * half, _mm256_mul_ps(d, _mm256_cvtepi32_ps(widen_i8(b + 192 + 8 * half))));
+    }
+  }
+
+  BLOCKS_AVX2_INLINE static __m256 piece(const float* s, const uint8_t* b, int g, int v) {
+    if constexpr (T == WeightType::F32) {
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(b) + 8 * v);
+    } else if constexpr (T == WeightType::F16) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * v)));
+    } else if constexpr (T == WeightType::BF16) {
+      const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * v)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    } else if constexpr (T == WeightType::Q8_0) {
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(b + 2 + 8 * v)), _mm256_set1_ps(s[0]));  // gguf: q * d
+    } else if constexpr (T == WeightType::Q4_0) {
+      const __m256i q = _mm256_sub_epi32(nibbles(b + 2, v), _mm256_set1_epi32(8));
+      return _mm256_mul_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(q));  // d * (q - 8)
+    } else if constexpr (T == WeightType::Q4_1) {
+      return _mm256_fmadd_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(nibbles(b + 4, v)), _mm256_set1_ps(s[1]));
+    } else if constexpr (T == WeightType::Q5_0) {
+      const __m256i q = _mm256_or_si256(nibbles(b + 6, v), fifth_bits(load_u32(b + 2), v));
+      return _mm256_mul_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))));
+    } else if constexpr (T == WeightType::Q5_1) {
+      const __m256i q = _mm256_or_si256(nibbles(b + 8, v), fifth_bits(load_u32(b + 4), v));
+      return _mm256_fmadd_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(s[1]));
+    } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
+      // Sub-block g: byte l of its 32 holds weight l in its low (g even) or high (g odd) nibble.
+      const __m256i bytes = widen_u8(b + (T == WeightType::Q4_K ? 16 : 48) + 32 * (g / 2) + 8 * v);
+      __m256i q = g % 2 == 0 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4);
+      if constexpr (T == WeightType::Q5_K) {  // bit g of qh byte l
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(widen_u8(b + 16 + 8 * v), g), _mm256_set1_epi32(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi32(high, 4));
+      }
+      return _mm256_fmsub_ps(_mm256_set1_ps(s[g]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(s[8 + g]));
+    } else if constexpr (T == WeightType::Q6_K) {
+      // Group g: half g / 4 of the block, quarter k = g % 4: weight l's low nibble from ql, its two
+      // high bits from qh; scale 2 g + l / 16.
+      const int half = g / 4, k = g % 4;
+      const __m256i low = _mm256_and_si256(
+          _mm256_srli_epi32(widen_u8(b + 64 * half + 32 * (k & 1) + 8 * v), 4 * (k >> 1)), _mm256_set1_epi32(0x0F));
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi32(widen_u8(b + 128 + 32 * half + 8 * v), 2 * k),
+                                            _mm256_set1_epi32(3));
+      const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+      return _mm256_mul_ps(_mm256_set1_ps(s[2 * g + v / 2]), _mm256_cvtepi32_ps(q));
+    }
+  }
+};
+
+// All 4 pieces of group g: w[v] = piece(s, b, g, v). The legacy 4- and 5-bit blocks widen each
+// byte once for its two nibbles (pieces v and v + 2).
+template <WeightType T>
+BLOCKS_AVX2_INLINE void group_avx2(const float* s, const uint8_t* b, int g, __m256 (&w)[4]) {
+  constexpr bool legacy_nibbles = T == WeightType::Q4_0 || T == WeightType::Q4_1 || T == WeightType::Q5_0 ||
+                                  T == WeightType::Q5_1;
+  if constexpr (legacy_nibbles) {
+    constexpr int qs = T == WeightType::Q4_0 ? 2 : T == WeightType::Q4_1 ? 4 : T == WeightType::Q5_0 ? 6 : 8;
+    const __m256 d = _mm256_set1_ps(s[0]);
+    __m256i q[4];
+    for (int half = 0; half < 2; ++half) {
+      const __m256i bytes = widen_u8(b + qs + 8 * half);
+      q[half] = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+      q[half + 2] = _mm256_srli_epi32(bytes, 4);
+    }
+    for (int v = 0; v < 4; ++v) {
+      if constexpr (T == WeightType::Q5_0 || T == WeightType::Q5_1)
+        q[v] = _mm256_or_si256(q[v], fifth_bits(load_u32(b + qs - 4), v));
+      if constexpr (T == WeightType::Q4_0) {  // d * (q - 8)
+        w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))));
+      } else if constexpr (T == WeightType::Q5_0) {  // d * (q - 16)
+        w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(16))));
+      } else {  // d * q + m
+        w[v] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[v]), _mm256_set1_ps(s[1]));
+      }
+    }
+  } else {
+    for (int v = 0; v < 4; ++v) w[v] = Avx2Blocks<T>::piece(s, b, g, v);
+  }
+}
+
+// A vector of partial sums reduced in one fixed order (halves, then pairs, then the last two).
+BLOCKS_AVX2_INLINE float reduce_avx2(__m256 acc) {
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
 
 template <int ROWS, int COLS>
-BLOCKS_AVX2 void tile_avx2(const Slice& s, const float* w, int64_t r0, int64_t n0) {
+BLOCKS_AVX2_INLINE void store_tile_avx2(const Slice& s, const __m256 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) {
+      const int64_t n = n0 + j;
+      s.out[(r0 + i) * s.N + n] =
+          finish(reduce_avx2(acc[i][j]), s.x + (r0 + i) * s.K, s.data + n * s.row_bytes, s.type, s.K32, s.K, s.bias, n);
+    }
+}
+
+// Rows [r0, r0 + ROWS) of x against COLS weight rows from n0, blocks dequantized into registers;
+// `scales` holds the blocks' scales (columns_direct_avx2), or is null: converted here per block.
+template <WeightType T, int ROWS, int COLS>
+BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0, const float* scales) {
+  using D = Avx2Blocks<T>;
+  const uint8_t* w = s.data + n0 * s.row_bytes;
+  const float* x = s.x + r0 * s.K;
+  const int64_t blocks = s.K32 / D::kWeights;
+  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytesAvx2;  // as tile_direct
+  __m256 acc[ROWS][COLS];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    if (r0 == 0)
+      for (int64_t offset = 0; offset < COLS * D::kBytes; offset += 64)
+        _mm_prefetch(ahead + blk * COLS * D::kBytes + offset, _MM_HINT_T1);
+#pragma GCC unroll 8
+    for (int g = 0; g < D::kGroups; ++g) {
+      const int64_t k = blk * D::kWeights + 32 * g;
+      for (int j = 0; j < COLS; ++j) {
+        const uint8_t* bj = w + j * s.row_bytes + blk * D::kBytes;
+        alignas(32) float own[D::kScales > 0 ? D::kScales : 1];
+        const float* sj = own;
+        if (scales == nullptr) {
+          D::scales(bj, own);
+        } else {
+          sj = scales + (j * blocks + blk) * D::kScales;
+        }
+        __m256 wv[4];
+        group_avx2<T>(sj, bj, g, wv);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v)
+          for (int i = 0; i < ROWS; ++i)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * s.K + k + 8 * v), wv[v], acc[i][j]);
+      }
+    }
+  }
+  store_tile_avx2<ROWS, COLS>(s, acc, r0, n0);
+}
+
+// All R (<= kDirectRows) rows of x against COLS weight rows from n0, in tiles of up to 4 rows,
+// each dequantizing the blocks again (from L1). One tile converts each block's scales as it
+// goes; more share them, converted once into s.scratch first.
+template <WeightType T, int COLS>
+BLOCKS_AVX2 void columns_direct_avx2(const Slice& s, int64_t n0) {
+  using D = Avx2Blocks<T>;
+  if (s.R <= 4) {
+    switch (s.R) {
+      case 4: return tile_direct_avx2<T, 4, COLS>(s, 0, n0, nullptr);
+      case 3: return tile_direct_avx2<T, 3, COLS>(s, 0, n0, nullptr);
+      case 2: return tile_direct_avx2<T, 2, COLS>(s, 0, n0, nullptr);
+      default: return tile_direct_avx2<T, 1, COLS>(s, 0, n0, nullptr);
+    }
+  }
+  const uint8_t* w = s.data + n0 * s.row_bytes;
+  const int64_t blocks = s.K32 / D::kWeights;
+  float* scales = s.scratch;
+  if constexpr (D::kScales > 0)
+    for (int j = 0; j < COLS; ++j)
+      for (int64_t blk = 0; blk < blocks; ++blk)
+        D::scales(w + j * s.row_bytes + blk * D::kBytes, scales + (j * blocks + blk) * D::kScales);
+  int64_t r = 0;
+  for (; r + 4 <= s.R; r += 4) tile_direct_avx2<T, 4, COLS>(s, r, n0, scales);
+  switch (s.R - r) {
+    case 3: return tile_direct_avx2<T, 3, COLS>(s, r, n0, scales);
+    case 2: return tile_direct_avx2<T, 2, COLS>(s, r, n0, scales);
+    case 1: return tile_direct_avx2<T, 1, COLS>(s, r, n0, scales);
+    default: return;
+  }
+}
+
+// Weights [0, K32) of `cols` weight rows into out [cols, K32], natural order.
+template <WeightType T>
+BLOCKS_AVX2 void dequantize_avx2(const uint8_t* row, int64_t row_bytes, int64_t cols, int64_t K32, float* out) {
+  using D = Avx2Blocks<T>;
+  alignas(32) float scales[D::kScales > 0 ? D::kScales : 1];
+  for (int64_t j = 0; j < cols; ++j) {
+    const uint8_t* w = row + j * row_bytes;
+    float* o = out + j * K32;
+    for (int64_t blk = 0; blk < K32 / D::kWeights; ++blk) {
+      const uint8_t* block = w + blk * D::kBytes;
+      for (int64_t offset = 0; offset < D::kBytes; offset += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytesAvx2 + offset, _MM_HINT_T1);
+      D::scales(block, scales);
+#pragma GCC unroll 8
+      for (int g = 0; g < D::kGroups; ++g)
+      {
+        __m256 wv[4];
+        group_avx2<T>(scales, block, g, wv);
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(o + blk * D::kWeights + 32 * g + 8 * v, wv[v]);
+      }
+    }
+  }
+}
+
+// ROWS rows of x against COLS dequantized weight rows w [COLS, K32] (the buffer): the same sums
+// in the same order as tile_direct_avx2.
+template <int ROWS, int COLS>
+BLOCKS_AVX2 void tile_buffered_avx2(const Slice& s, const float* w, int64_t r0, int64_t n0) {
   __m256 acc[ROWS][COLS];
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -277,34 +551,33 @@ BLOCKS_AVX2 void tile_avx2(const Slice& s, const float* w, int64_t r0, int64_t n
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) {
-      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
-      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-      v = _mm_add_ss(v, _mm_movehdup_ps(v));
-      const int64_t n = n0 + j;
-      s.out[(r0 + i) * s.N + n] =
-          finish(_mm_cvtss_f32(v), s.x + (r0 + i) * s.K, s.data + n * s.row_bytes, s.type, s.K32, s.K, s.bias, n);
-    }
+  store_tile_avx2<ROWS, COLS>(s, acc, r0, n0);
 }
 
 template <int COLS>
-BLOCKS_AVX2 void rows_avx2(const Slice& s, const float* w, int64_t n0) {
+BLOCKS_AVX2 void rows_buffered_avx2(const Slice& s, const float* w, int64_t n0) {
   int64_t r = 0;
-  for (; r + 2 <= s.R; r += 2) tile_avx2<2, COLS>(s, w, r, n0);
-  if (r < s.R) tile_avx2<1, COLS>(s, w, r, n0);
+  for (; r + 2 <= s.R; r += 2) tile_buffered_avx2<2, COLS>(s, w, r, n0);
+  if (r < s.R) tile_buffered_avx2<1, COLS>(s, w, r, n0);
 }
 
 template <WeightType T>
 BLOCKS_AVX2 void slice_avx2(const Slice& s, float* buffer) {
-  for (int64_t n = s.begin; n < s.end; n += kGroupRows) {
+  int64_t n = s.begin;
+  if (s.R <= kDirectRows) {
+    if (s.R == 1)  // one row of x: eight independent sums to hide FMA latency
+      for (; n + 8 <= s.end; n += 8) columns_direct_avx2<T, 8>(s, n);
+    for (; n + 2 <= s.end; n += 2) columns_direct_avx2<T, 2>(s, n);
+    for (; n < s.end; ++n) columns_direct_avx2<T, 1>(s, n);
+    return;
+  }
+  for (; n < s.end; n += kGroupRows) {
     const int64_t cols = std::min(kGroupRows, s.end - n);
-    for (int64_t j = 0; j < cols; ++j)
-      dequantize_row_portable<T>(s.data + (n + j) * s.row_bytes, s.K32, buffer + j * s.K32);
+    dequantize_avx2<T>(s.data + n * s.row_bytes, s.row_bytes, cols, s.K32, buffer);
     if (cols == kGroupRows) {
-      rows_avx2<kGroupRows>(s, buffer, n);
+      rows_buffered_avx2<kGroupRows>(s, buffer, n);
     } else {
-      for (int64_t j = 0; j < cols; ++j) rows_avx2<1>(s, buffer + j * s.K32, n + j);
+      for (int64_t j = 0; j < cols; ++j) rows_buffered_avx2<1>(s, buffer + j * s.K32, n + j);
     }
   }
 }
@@ -791,9 +1064,9 @@ using Path = VectorPath;
 
 Path choose_path() {
 #ifdef SPECENGINE_X86
-  return vector_path(use_blocks_avx512());
+  return vector_path(use_blocks_avx512(), use_blocks_avx2());
 #else
-  return vector_path(false);
+  return vector_path(false, false);
 #endif
 }
 
@@ -831,6 +1104,16 @@ void dequantize_part_rows(Path path, const uint8_t* rows, int64_t row_bytes, int
     if (K32 == K) return dequantize_avx512<T, true>(rows, row_bytes, count, K, out);
     for (int64_t j = 0; j < count; ++j) {  // a float type's tail: each row on its own
       dequantize_avx512<T, true>(rows + j * row_bytes, row_bytes, 1, K32, out + j * K);
+      dequantize_row_portable<T>(rows + j * row_bytes + K32 * block_bytes(static_cast<int64_t>(T)), K - K32,
+                                 out + j * K + K32);
+    }
+    return;
+  }
+  if (path == Path::avx2) {
+    const int64_t K32 = K & ~(kStep - 1);
+    if (K32 == K) return dequantize_avx2<T>(rows, row_bytes, count, K, out);
+    for (int64_t j = 0; j < count; ++j) {
+      dequantize_avx2<T>(rows + j * row_bytes, row_bytes, 1, K32, out + j * K);
       dequantize_row_portable<T>(rows + j * row_bytes + K32 * block_bytes(static_cast<int64_t>(T)), K - K32,
                                  out + j * K + K32);
     }

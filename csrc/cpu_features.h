@@ -73,13 +73,14 @@ inline bool use_amx() {
 #endif
 }
 
-// The code paths of the ops that come in AVX-512, AVX2 and portable forms; `avx512_usable` is
-// the op's own test (some also need F16C, say), the narrower levels are common to all.
+// The code paths of the ops that come in AVX-512, AVX2 and portable forms; `avx512_usable` and
+// `avx2_usable` are the op's own tests (some also need F16C, say), which imply use_avx512() and
+// use_avx2().
 enum class VectorPath { portable, avx2, avx512 };
 
-inline VectorPath vector_path(bool avx512_usable) {
+inline VectorPath vector_path(bool avx512_usable, bool avx2_usable) {
   if (avx512_usable) return VectorPath::avx512;
-  if (use_avx2()) return VectorPath::avx2;
+  if (avx2_usable) return VectorPath::avx2;
   return VectorPath::portable;
 }
 

@@ -199,7 +199,7 @@ SPECENGINE_AVX512 void tile_avx512(const float* xt, int64_t K, const float* pane
 
 using Path = VectorPath;
 
-Path choose_path() { return vector_path(use_avx512()); }
+Path choose_path() { return vector_path(use_avx512(), use_avx2()); }
 
 int64_t tile_rows(Path path) {
   switch (path) {
