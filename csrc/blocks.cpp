@@ -392,36 +392,39 @@ struct Avx2Blocks {
   }
 };
 
-// All 4 pieces of group g: w[v] = piece(s, b, g, v). The legacy 4- and 5-bit blocks widen each
-// byte once for its two nibbles (pieces v and v + 2).
+// Group g's 4 pieces, made one at a time in order (piece(v) = Avx2Blocks<T>::piece(s, b, g, v)),
+// so that one is live at a time. The legacy 4- and 5-bit blocks widen each byte once, on
+// construction, for its two nibbles (pieces v and v + 2).
 template <WeightType T>
-BLOCKS_AVX2_INLINE void group_avx2(const float* s, const uint8_t* b, int g, __m256 (&w)[4]) {
-  constexpr bool legacy_nibbles = T == WeightType::Q4_0 || T == WeightType::Q4_1 || T == WeightType::Q5_0 ||
-                                  T == WeightType::Q5_1;
-  if constexpr (legacy_nibbles) {
-    constexpr int qs = T == WeightType::Q4_0 ? 2 : T == WeightType::Q4_1 ? 4 : T == WeightType::Q5_0 ? 6 : 8;
-    const __m256 d = _mm256_set1_ps(s[0]);
-    __m256i q[4];
-    for (int half = 0; half < 2; ++half) {
-      const __m256i bytes = widen_u8(b + qs + 8 * half);
-      q[half] = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
-      q[half + 2] = _mm256_srli_epi32(bytes, 4);
+struct Avx2Group {
+  static constexpr bool kNibbles = T == WeightType::Q4_0 || T == WeightType::Q4_1 || T == WeightType::Q5_0 ||
+                                   T == WeightType::Q5_1;
+  static constexpr int kQs = T == WeightType::Q4_0 ? 2 : T == WeightType::Q4_1 ? 4 : T == WeightType::Q5_0 ? 6 : 8;
+  const float* s;
+  const uint8_t* b;
+  int g;
+  __m256i bytes[2];
+
+  BLOCKS_AVX2_INLINE Avx2Group(const float* scales, const uint8_t* block, int group) : s(scales), b(block), g(group) {
+    if constexpr (kNibbles) {
+      bytes[0] = widen_u8(b + kQs);
+      bytes[1] = widen_u8(b + kQs + 8);
     }
-    for (int v = 0; v < 4; ++v) {
-      if constexpr (T == WeightType::Q5_0 || T == WeightType::Q5_1)
-        q[v] = _mm256_or_si256(q[v], fifth_bits(load_u32(b + qs - 4), v));
-      if constexpr (T == WeightType::Q4_0) {  // d * (q - 8)
-        w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))));
-      } else if constexpr (T == WeightType::Q5_0) {  // d * (q - 16)
-        w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(16))));
-      } else {  // d * q + m
-        w[v] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[v]), _mm256_set1_ps(s[1]));
-      }
-    }
-  } else {
-    for (int v = 0; v < 4; ++v) w[v] = Avx2Blocks<T>::piece(s, b, g, v);
   }
-}
+
+  BLOCKS_AVX2_INLINE __m256 piece(int v) const {
+    if constexpr (kNibbles) {
+      __m256i q = v < 2 ? _mm256_and_si256(bytes[v], _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes[v - 2], 4);
+      if constexpr (T == WeightType::Q5_0 || T == WeightType::Q5_1) q = _mm256_or_si256(q, fifth_bits(load_u32(b + kQs - 4), v));
+      const __m256 d = _mm256_set1_ps(s[0]);
+      if constexpr (T == WeightType::Q4_0) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
+      if constexpr (T == WeightType::Q5_0) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))));
+      return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), _mm256_set1_ps(s[1]));  // d * q + m
+    } else {
+      return Avx2Blocks<T>::piece(s, b, g, v);
+    }
+  }
+};
 
 // A vector of partial sums reduced in one fixed order (halves, then pairs, then the last two).
 BLOCKS_AVX2_INLINE float reduce_avx2(__m256 acc) {
@@ -443,7 +446,7 @@ BLOCKS_AVX2_INLINE void store_tile_avx2(const Slice& s, const __m256 (&acc)[ROWS
 
 // Rows [r0, r0 + ROWS) of x against COLS weight rows from n0, blocks dequantized into registers;
 // `scales` holds the blocks' scales (columns_direct_avx2), or is null: converted here per block.
-template <WeightType T, int ROWS, int COLS>
+template <WeightType T, int ROWS, int COLS, bool kOwnScales>
 BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0, const float* scales) {
   using D = Avx2Blocks<T>;
   const uint8_t* w = s.data + n0 * s.row_bytes;
@@ -464,17 +467,18 @@ BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0, const 
         const uint8_t* bj = w + j * s.row_bytes + blk * D::kBytes;
         alignas(32) float own[D::kScales > 0 ? D::kScales : 1];
         const float* sj = own;
-        if (scales == nullptr) {
+        if constexpr (kOwnScales) {
           D::scales(bj, own);
         } else {
           sj = scales + (j * blocks + blk) * D::kScales;
         }
-        __m256 wv[4];
-        group_avx2<T>(sj, bj, g, wv);
+        const Avx2Group<T> pieces(sj, bj, g);
 #pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v)
+        for (int v = 0; v < 4; ++v) {
+          const __m256 wv = pieces.piece(v);
           for (int i = 0; i < ROWS; ++i)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * s.K + k + 8 * v), wv[v], acc[i][j]);
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * s.K + k + 8 * v), wv, acc[i][j]);
+        }
       }
     }
   }
@@ -489,10 +493,10 @@ BLOCKS_AVX2 void columns_direct_avx2(const Slice& s, int64_t n0) {
   using D = Avx2Blocks<T>;
   if (s.R <= 4) {
     switch (s.R) {
-      case 4: return tile_direct_avx2<T, 4, COLS>(s, 0, n0, nullptr);
-      case 3: return tile_direct_avx2<T, 3, COLS>(s, 0, n0, nullptr);
-      case 2: return tile_direct_avx2<T, 2, COLS>(s, 0, n0, nullptr);
-      default: return tile_direct_avx2<T, 1, COLS>(s, 0, n0, nullptr);
+      case 4: return tile_direct_avx2<T, 4, COLS, true>(s, 0, n0, nullptr);
+      case 3: return tile_direct_avx2<T, 3, COLS, true>(s, 0, n0, nullptr);
+      case 2: return tile_direct_avx2<T, 2, COLS, true>(s, 0, n0, nullptr);
+      default: return tile_direct_avx2<T, 1, COLS, true>(s, 0, n0, nullptr);
     }
   }
   const uint8_t* w = s.data + n0 * s.row_bytes;
@@ -503,11 +507,11 @@ BLOCKS_AVX2 void columns_direct_avx2(const Slice& s, int64_t n0) {
       for (int64_t blk = 0; blk < blocks; ++blk)
         D::scales(w + j * s.row_bytes + blk * D::kBytes, scales + (j * blocks + blk) * D::kScales);
   int64_t r = 0;
-  for (; r + 4 <= s.R; r += 4) tile_direct_avx2<T, 4, COLS>(s, r, n0, scales);
+  for (; r + 4 <= s.R; r += 4) tile_direct_avx2<T, 4, COLS, false>(s, r, n0, scales);
   switch (s.R - r) {
-    case 3: return tile_direct_avx2<T, 3, COLS>(s, r, n0, scales);
-    case 2: return tile_direct_avx2<T, 2, COLS>(s, r, n0, scales);
-    case 1: return tile_direct_avx2<T, 1, COLS>(s, r, n0, scales);
+    case 3: return tile_direct_avx2<T, 3, COLS, false>(s, r, n0, scales);
+    case 2: return tile_direct_avx2<T, 2, COLS, false>(s, r, n0, scales);
+    case 1: return tile_direct_avx2<T, 1, COLS, false>(s, r, n0, scales);
     default: return;
   }
 }
@@ -528,9 +532,8 @@ BLOCKS_AVX2 void dequantize_avx2(const uint8_t* row, int64_t row_bytes, int64_t 
 #pragma GCC unroll 8
       for (int g = 0; g < D::kGroups; ++g)
       {
-        __m256 wv[4];
-        group_avx2<T>(scales, block, g, wv);
-        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(o + blk * D::kWeights + 32 * g + 8 * v, wv[v]);
+        const Avx2Group<T> pieces(scales, block, g);
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(o + blk * D::kWeights + 32 * g + 8 * v, pieces.piece(v));
       }
     }
   }
