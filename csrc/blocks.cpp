@@ -399,13 +399,28 @@ template <WeightType T>
 struct Avx2Group {
   static constexpr bool kNibbles = T == WeightType::Q4_0 || T == WeightType::Q4_1 || T == WeightType::Q5_0 ||
                                    T == WeightType::Q5_1;
+  // The legacy types' d (and m) can be broadcast into registers straight from the block.
+  static constexpr bool kRegisterScales = kNibbles || T == WeightType::Q8_0;
+  static constexpr bool kHasMin = T == WeightType::Q4_1 || T == WeightType::Q5_1;
   static constexpr int kQs = T == WeightType::Q4_0 ? 2 : T == WeightType::Q4_1 ? 4 : T == WeightType::Q5_0 ? 6 : 8;
   const float* s;
   const uint8_t* b;
   int g;
   __m256i bytes[2];
+  __m256 d, m;
 
+  // Scales from s (Avx2Blocks<T>::scales), or with s null (kRegisterScales), from the block.
   BLOCKS_AVX2_INLINE Avx2Group(const float* scales, const uint8_t* block, int group) : s(scales), b(block), g(group) {
+    if constexpr (kRegisterScales) {
+      if (s == nullptr) {
+        const __m128 fields = _mm_cvtph_ps(_mm_cvtsi32_si128(kHasMin ? static_cast<int>(load_u32(b)) : load_u16(b)));
+        d = _mm256_broadcastss_ps(fields);
+        if constexpr (kHasMin) m = _mm256_broadcastss_ps(_mm_movehdup_ps(fields));
+      } else {
+        d = _mm256_set1_ps(s[0]);
+        if constexpr (kHasMin) m = _mm256_set1_ps(s[1]);
+      }
+    }
     if constexpr (kNibbles) {
       bytes[0] = widen_u8(b + kQs);
       bytes[1] = widen_u8(b + kQs + 8);
@@ -416,10 +431,11 @@ struct Avx2Group {
     if constexpr (kNibbles) {
       __m256i q = v < 2 ? _mm256_and_si256(bytes[v], _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes[v - 2], 4);
       if constexpr (T == WeightType::Q5_0 || T == WeightType::Q5_1) q = _mm256_or_si256(q, fifth_bits(load_u32(b + kQs - 4), v));
-      const __m256 d = _mm256_set1_ps(s[0]);
       if constexpr (T == WeightType::Q4_0) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
       if constexpr (T == WeightType::Q5_0) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))));
-      return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), _mm256_set1_ps(s[1]));  // d * q + m
+      return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);  // d * q + m
+    } else if constexpr (T == WeightType::Q8_0) {
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(b + 2 + 8 * v)), d);  // gguf: q * d
     } else {
       return Avx2Blocks<T>::piece(s, b, g, v);
     }
@@ -467,7 +483,9 @@ BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0, const 
         const uint8_t* bj = w + j * s.row_bytes + blk * D::kBytes;
         alignas(32) float own[D::kScales > 0 ? D::kScales : 1];
         const float* sj = own;
-        if constexpr (kOwnScales) {
+        if constexpr (kOwnScales && Avx2Group<T>::kRegisterScales) {
+          sj = nullptr;
+        } else if constexpr (kOwnScales) {
           D::scales(bj, own);
         } else {
           sj = scales + (j * blocks + blk) * D::kScales;
