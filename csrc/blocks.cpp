@@ -272,9 +272,12 @@ void slice_portable(const Slice& s, float* buffer) {
 // at a time in natural order, and multiplied against up to 4 rows of x while there; past
 // kDirectRows rows, a group of weight rows is dequantized once into a buffer that the tiles run
 // over. Without a 16-entry permute, a nibble becomes a weight by widening (vpmovzxbd), an integer
-// to float conversion and one FMA, exact as exact_affine explains. Each (row of x, weight row)
-// has one vector of partial sums over k in steps of 8, the same from registers or the buffer.
-// (F16C converts the scale fields: every AVX2 CPU has it, the path still asks.)
+// to float conversion and one FMA, exact as exact_affine (AVX-512 path, below) explains. Each
+// (row of x, weight row) has one vector of partial sums over k in steps of 8, the same from
+// registers or the buffer. (F16C converts the scale fields: every AVX2 CPU has it, the path
+// still asks.) On the 2-core Zen 3 VM this was written on, what bounded one row of x was the
+// scales: converted into an array and read back, they took about a quarter of the time, so a
+// one-tile call broadcasts the legacy types' d and m into registers straight from the block.
 #define BLOCKS_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define BLOCKS_AVX2_INLINE BLOCKS_AVX2 SPECENGINE_INLINE
 
