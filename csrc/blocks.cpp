@@ -299,13 +299,6 @@ BLOCKS_AVX2_INLINE __m256i widen_i8(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Weights 8v .. 8v + 7 of a legacy block's 32 nibbles (qs: 16 bytes, weight i < 16 the low
-// nibble of byte i, weight 16 + i its high nibble), as int32 lanes.
-BLOCKS_AVX2_INLINE __m256i nibbles(const uint8_t* qs, int v) {
-  const __m256i bytes = widen_u8(qs + 8 * (v & 1));
-  return v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4);
-}
-
 // Bit 8v + l of the 32-bit word qh in lane l, moved to bit 4 (Q5_0, Q5_1's fifth bits).
 BLOCKS_AVX2_INLINE __m256i fifth_bits(uint32_t qh, int v) {
   const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * v))),
@@ -315,7 +308,8 @@ BLOCKS_AVX2_INLINE __m256i fifth_bits(uint32_t qh, int v) {
 
 // A format's blocks in 256-bit registers:
 //   scales(b, s)                the block's kScales float32 scales, written to s (once, ahead)
-//   piece(s, b, g, v)           its weights 32 g + 8 v .. 32 g + 8 v + 7 (g < kGroups, v < 4)
+//   piece(s, b, g, v)           its weights 32 g + 8 v .. 32 g + 8 v + 7 (g < kGroups, v < 4); the
+//                               legacy 4-, 5- and 8-bit types' pieces are Avx2Group's
 // The float types are taken as "blocks" of 32 weights.
 template <WeightType T>
 struct Avx2Blocks {
@@ -359,19 +353,6 @@ struct Avx2Blocks {
     } else if constexpr (T == WeightType::BF16) {
       const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * v)));
       return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-    } else if constexpr (T == WeightType::Q8_0) {
-      return _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(b + 2 + 8 * v)), _mm256_set1_ps(s[0]));  // gguf: q * d
-    } else if constexpr (T == WeightType::Q4_0) {
-      const __m256i q = _mm256_sub_epi32(nibbles(b + 2, v), _mm256_set1_epi32(8));
-      return _mm256_mul_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(q));  // d * (q - 8)
-    } else if constexpr (T == WeightType::Q4_1) {
-      return _mm256_fmadd_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(nibbles(b + 4, v)), _mm256_set1_ps(s[1]));
-    } else if constexpr (T == WeightType::Q5_0) {
-      const __m256i q = _mm256_or_si256(nibbles(b + 6, v), fifth_bits(load_u32(b + 2), v));
-      return _mm256_mul_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))));
-    } else if constexpr (T == WeightType::Q5_1) {
-      const __m256i q = _mm256_or_si256(nibbles(b + 8, v), fifth_bits(load_u32(b + 4), v));
-      return _mm256_fmadd_ps(_mm256_set1_ps(s[0]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(s[1]));
     } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
       // Sub-block g: byte l of its 32 holds weight l in its low (g even) or high (g odd) nibble.
       const __m256i bytes = widen_u8(b + (T == WeightType::Q4_K ? 16 : 48) + 32 * (g / 2) + 8 * v);
@@ -551,8 +532,7 @@ BLOCKS_AVX2 void dequantize_avx2(const uint8_t* row, int64_t row_bytes, int64_t 
         _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytesAvx2 + offset, _MM_HINT_T1);
       D::scales(block, scales);
 #pragma GCC unroll 8
-      for (int g = 0; g < D::kGroups; ++g)
-      {
+      for (int g = 0; g < D::kGroups; ++g) {
         const Avx2Group<T> pieces(scales, block, g);
         for (int v = 0; v < 4; ++v) _mm256_storeu_ps(o + blk * D::kWeights + 32 * g + 8 * v, pieces.piece(v));
       }
