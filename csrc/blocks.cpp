@@ -299,23 +299,33 @@ BLOCKS_AVX2_INLINE __m256i widen_i8(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Bit 8v + l of the 32-bit word qh in lane l, moved to bit 4 (Q5_0, Q5_1's fifth bits).
-BLOCKS_AVX2_INLINE __m256i fifth_bits(uint32_t qh, int v) {
-  const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * v))),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(1)), 4);
+// Lane l of kBitMasks + 8 v: bit 8 v + l (Q5_0 and Q5_1's fifth bits, one per weight of a block).
+alignas(32) constexpr uint32_t kBitMasks[32] = {
+    1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,  1u << 8,  1u << 9,  1u << 10,
+    1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15, 1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20, 1u << 21,
+    1u << 22, 1u << 23, 1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31};
+
+// All ones in the lanes l of piece v whose bit 8 v + l of qh (broadcast) is set.
+BLOCKS_AVX2_INLINE __m256i fifth_bit_set(__m256i qh, int v) {
+  const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(kBitMasks + 8 * v));
+  return _mm256_cmpeq_epi32(_mm256_and_si256(qh, mask), mask);
 }
 
 // A format's blocks in 256-bit registers:
-//   scales(b, s)                the block's kScales float32 scales, written to s (once, ahead)
-//   piece(s, b, g, v)           its weights 32 g + 8 v .. 32 g + 8 v + 7 (g < kGroups, v < 4); the
-//                               legacy 4-, 5- and 8-bit types' pieces are Avx2Group's
+//   scales(b, s)                   the block's kScales float32 scales, written to s (once, ahead)
+//   piece<kProduct>(s, b, g, v)    its weights 32 g + 8 v .. 32 g + 8 v + 7 (g < kGroups, v < 4);
+//                                  the legacy 4-, 5- and 8-bit types' pieces are Avx2Group's
+// kProduct: the piece goes into a product, not to memory. Such a piece may differ from gguf's
+// bits in the sign of a zero weight, which no sum can see (an accumulator starts at +0, and
+// x * (+-0) added to it leaves it as it is), so an offset code's weight d (q - c) can be one
+// exact FMA, d q + (-c d): -c d is exact (c is a power of two), and the FMA rounds the exact
+// d (q - c) once, as gguf's product does; only q = c gives +0 where gguf gives -0 for d < 0.
 // The float types are taken as "blocks" of 32 weights.
 template <WeightType T>
 struct Avx2Blocks {
   static constexpr bool kFloat = block_weights_of(T) == 1;
   static constexpr int64_t kWeights = kFloat ? 32 : block_weights_of(T), kBytes = kWeights * block_bytes_of(T) / block_weights_of(T);
-  static constexpr int64_t kGroups = kWeights == 256 ? 8 : 1;
+  static constexpr int64_t kGroups = kWeights / 32;
   static constexpr int64_t kScales = T == WeightType::Q4_K || T == WeightType::Q5_K || T == WeightType::Q6_K ? 16
                                      : T == WeightType::Q4_1 || T == WeightType::Q5_1                         ? 2
                                      : T == WeightType::Q8_0 || T == WeightType::Q4_0 || T == WeightType::Q5_0 ? 1
@@ -345,6 +355,7 @@ struct Avx2Blocks {
     }
   }
 
+  template <bool kProduct>
   BLOCKS_AVX2_INLINE static __m256 piece(const float* s, const uint8_t* b, int g, int v) {
     if constexpr (T == WeightType::F32) {
       return _mm256_loadu_ps(reinterpret_cast<const float*>(b) + 8 * v);
@@ -355,6 +366,8 @@ struct Avx2Blocks {
       return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
     } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
       // Sub-block g: byte l of its 32 holds weight l in its low (g even) or high (g odd) nibble.
+      // (Widening the bytes once for both sub-blocks of a pair was slower: on the Zen 3 VM, one
+      // row of x against 8 weight rows then ran out of registers.)
       const __m256i bytes = widen_u8(b + (T == WeightType::Q4_K ? 16 : 48) + 32 * (g / 2) + 8 * v);
       __m256i q = g % 2 == 0 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4);
       if constexpr (T == WeightType::Q5_K) {  // bit g of qh byte l
@@ -376,22 +389,25 @@ struct Avx2Blocks {
   }
 };
 
-// Group g's 4 pieces, made one at a time in order (piece(v) = Avx2Blocks<T>::piece(s, b, g, v)),
+// Group g's 4 pieces, made one at a time in order (piece<kProduct>(v) = Avx2Blocks<T>::piece's),
 // so that one is live at a time. The legacy 4- and 5-bit blocks widen each byte once, on
-// construction, for its two nibbles (pieces v and v + 2).
+// construction, for its two nibbles (pieces v and v + 2), and broadcast the fifth bits once.
 template <WeightType T>
 struct Avx2Group {
   static constexpr bool kNibbles = T == WeightType::Q4_0 || T == WeightType::Q4_1 || T == WeightType::Q5_0 ||
                                    T == WeightType::Q5_1;
+  static constexpr bool kFifthBit = T == WeightType::Q5_0 || T == WeightType::Q5_1;
   // The legacy types' d (and m) can be broadcast into registers straight from the block.
   static constexpr bool kRegisterScales = kNibbles || T == WeightType::Q8_0;
   static constexpr bool kHasMin = T == WeightType::Q4_1 || T == WeightType::Q5_1;
   static constexpr int kQs = T == WeightType::Q4_0 ? 2 : T == WeightType::Q4_1 ? 4 : T == WeightType::Q5_0 ? 6 : 8;
+  // Q4_0 and Q5_0's codes are offset by c = 8, 16: weight d (q - c).
+  static constexpr int kOffset = T == WeightType::Q4_0 ? 8 : T == WeightType::Q5_0 ? 16 : 0;
   const float* s;
   const uint8_t* b;
   int g;
-  __m256i bytes[2];
-  __m256 d, m;
+  __m256i bytes[2], qh;
+  __m256 d, m;  // m: Q4_1 and Q5_1's min; Q4_0 and Q5_0's -c d (exact)
 
   // Scales from s (Avx2Blocks<T>::scales), or with s null (kRegisterScales), from the block.
   BLOCKS_AVX2_INLINE Avx2Group(const float* scales, const uint8_t* block, int group) : s(scales), b(block), g(group) {
@@ -404,24 +420,32 @@ struct Avx2Group {
         d = _mm256_set1_ps(s[0]);
         if constexpr (kHasMin) m = _mm256_set1_ps(s[1]);
       }
+      if constexpr (kOffset > 0) m = _mm256_mul_ps(d, _mm256_set1_ps(-static_cast<float>(kOffset)));
     }
     if constexpr (kNibbles) {
       bytes[0] = widen_u8(b + kQs);
       bytes[1] = widen_u8(b + kQs + 8);
     }
+    if constexpr (kFifthBit) qh = _mm256_set1_epi32(static_cast<int>(load_u32(b + kQs - 4)));
   }
 
+  template <bool kProduct>
   BLOCKS_AVX2_INLINE __m256 piece(int v) const {
     if constexpr (kNibbles) {
-      __m256i q = v < 2 ? _mm256_and_si256(bytes[v], _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes[v - 2], 4);
-      if constexpr (T == WeightType::Q5_0 || T == WeightType::Q5_1) q = _mm256_or_si256(q, fifth_bits(load_u32(b + kQs - 4), v));
-      if constexpr (T == WeightType::Q4_0) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
-      if constexpr (T == WeightType::Q5_0) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))));
-      return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);  // d * q + m
+      const __m256i low = v < 2 ? _mm256_and_si256(bytes[v], _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes[v - 2], 4);
+      if constexpr (kProduct && T == WeightType::Q5_0) {
+        // The fifth bit adds 16, cancelling the offset: d q_low, or d q_low - 16 d where it is clear.
+        const __m256 offset = _mm256_andnot_ps(_mm256_castsi256_ps(fifth_bit_set(qh, v)), m);
+        return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(low), offset);
+      }
+      __m256i q = low;
+      if constexpr (kFifthBit) q = _mm256_or_si256(q, _mm256_and_si256(fifth_bit_set(qh, v), _mm256_set1_epi32(16)));
+      if constexpr (kOffset == 0 || kProduct) return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);  // d q + m
+      return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(kOffset))));  // gguf: d (q - c)
     } else if constexpr (T == WeightType::Q8_0) {
       return _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(b + 2 + 8 * v)), d);  // gguf: q * d
     } else {
-      return Avx2Blocks<T>::piece(s, b, g, v);
+      return Avx2Blocks<T>::template piece<kProduct>(s, b, g, v);
     }
   }
 };
@@ -477,7 +501,7 @@ BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0, const 
         const Avx2Group<T> pieces(sj, bj, g);
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) {
-          const __m256 wv = pieces.piece(v);
+          const __m256 wv = pieces.template piece<true>(v);
           for (int i = 0; i < ROWS; ++i)
             acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * s.K + k + 8 * v), wv, acc[i][j]);
         }
@@ -534,7 +558,7 @@ BLOCKS_AVX2 void dequantize_avx2(const uint8_t* row, int64_t row_bytes, int64_t 
 #pragma GCC unroll 8
       for (int g = 0; g < D::kGroups; ++g) {
         const Avx2Group<T> pieces(scales, block, g);
-        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(o + blk * D::kWeights + 32 * g + 8 * v, pieces.piece(v));
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(o + blk * D::kWeights + 32 * g + 8 * v, pieces.template piece<false>(v));
       }
     }
   }
