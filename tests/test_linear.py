@@ -125,6 +125,43 @@ def test_a_prompts_rows_do_not_depend_on_the_prompts_beside_it(isa):
         assert torch.equal(linear_product(prompts[1:2, 60:60 + GEMM_ROWS], weight, bias), alone[:, 60:60 + GEMM_ROWS])
 
 
+def same_bits_in_any_batch(product, prompts: torch.Tensor) -> bool:
+    """Whether product(x) gives short prompts [B, T < GEMM_ROWS, K] (as a prefill batches them)
+    and one-token rows (as a decode step does) the same bits alone and beside any others."""
+    same = True
+    alone = [product(prompts[b:b + 1]) for b in (0, 17, 39)]
+    for B in (2, 18, 40):
+        batch = product(prompts[:B])
+        same &= all(torch.equal(batch[b:b + 1], a) for b, a in zip((0, 17, 39), alone) if b < B)
+    rows = prompts[:, 0]
+    return same and torch.equal(product(rows)[17], product(rows[17:18])[0])
+
+
+@pytest.mark.parametrize("isa", WIDENED_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_layers_rows_get_the_same_bits_in_any_batch(dtype, isa):
+    """A model layer's product (layers.linear): steps.feed batches short prompts on this."""
+    from specengine.layers.linear import linear_product
+
+    g = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(97, 576, generator=g).to(dtype), torch.randn(97, generator=g)
+    prompts = torch.randn(40, 5, 576, generator=g)
+    with torch.no_grad(), cpu_isa_limit(isa):
+        assert same_bits_in_any_batch(lambda x: linear_product(x, weight, bias), prompts)
+
+
+def test_a_sum_whose_order_follows_the_batch_fails_the_batch_test():
+    """Planted: the sum over k cut where a shape-chosen blocking would cut it (by the row count)."""
+    g = torch.Generator().manual_seed(8)
+    weight, prompts = torch.randn(97, 576, generator=g), torch.randn(40, 5, 576, generator=g)
+
+    def by_shape(x):
+        step = 64 if x.numel() // x.shape[-1] > 8 else 192
+        return sum(x[..., k:k + step] @ weight[:, k:k + step].t() for k in range(0, 576, step))
+
+    assert not same_bits_in_any_batch(by_shape, prompts)
+
+
 # The AMX op: prompt-sized products, tiles of 16 rows and 32 k, blocks of 32 columns.
 AMX_SHAPES = [(1, 1, 1), (15, 2, 15), (16, 31, 16), (17, 32, 17), (33, 33, 31), (64, 576, 33), (40, 1537, 97),
               (100, 64, 8193), (3, 48, 32)]

@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.blocks_cpp import gemm_blocks_cpp
+from ..ops.blocks_cpp import gemm_blocks_cpp, linear_blocks_cpp
 from ..ops.linear import GEMM_ROWS, amx_available, gemm_bf16_weight_amx_cpp, linear_bf16_weight_cpp
 from .tracked import TracksParameterAssignments
 
@@ -14,17 +14,18 @@ def blocked_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class Linear(TracksParameterAssignments, nn.Linear):
-    """nn.Linear with two CPU fast paths for the few-row products of decoding.
+    """nn.Linear whose CPU products are specengine's C++ ops, each row's result computed on its own
+    (the same bits whatever rows share the call, so that prompts and rows may be batched freely):
 
     - bfloat16 weights with float32 inputs (how the loader keeps a bfloat16 checkpoint on a
       CPU): the C++ op widens the weights on the fly, reading half the bytes of a float32 copy;
       with GEMM_ROWS or more tokens per row ([B, T, K] inputs), the AMX op where the CPU has AMX,
       else float32 GEMM tiles on weights widened a panel at a time (blocked_gemm).
-    - float32 weights, 2..32 rows (a verification of gamma + 1 tokens, a small batch):
-      oneDNN/MKL's x @ W^T was measured 2-4x slower than W @ x^T on an AVX2 CPU (e.g.
-      512 -> 8192 at 5 rows: 7.4 ms vs 2.0 ms), which made verifying k tokens cost k times
-      one token.
-    Same weights, same state-dict names; results agree to float rounding.
+    - float32 weights: the block ops' float32 matrices (ops.blocks_cpp.linear_blocks_cpp): the
+      few-row product under GEMM_ROWS tokens per row, the blocked GEMM from there on. (oneDNN and
+      MKL pick their blocking by shape, so a row's bits followed the rows beside it.)
+    A product that records gradients (training) runs torch's. Same weights, same state-dict
+    names; results agree to float rounding.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,16 +48,13 @@ class RowParallelLinear(Linear):
 
 def linear_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T + bias, on the CPU paths Linear describes."""
-    if x.device.type != "cpu":
+    if (x.device.type != "cpu" or x.dtype != torch.float32
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
-    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+    if weight.dtype == torch.bfloat16:
         if x.dim() >= 3 and x.shape[-2] >= GEMM_ROWS:
             return gemm_bf16_weight_amx_cpp(x, weight, bias) if amx_available() else blocked_gemm(x, weight, bias)
         return linear_bf16_weight_cpp(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
-    if not 1 < rows <= 32:
+    if weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
-    out = (weight @ x.reshape(rows, -1).t()).t().contiguous()
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], -1)
+    return linear_blocks_cpp(x, weight if weight.is_contiguous() else weight.contiguous(), bias)

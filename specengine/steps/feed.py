@@ -78,11 +78,10 @@ def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: li
 
     A row's entries are those of its whole prompt prefilled in one call (steps of a joining
     request are not its results' business): a call's products take the GEMM path by its tokens
-    per row (layers.linear), whose rows are computed each on its own, and attention computes each
-    query on its own over the keys before it. So a chunk of a prompt of GEMM_ROWS tokens or more
-    is fed in a call of at least GEMM_ROWS tokens per row (padded), with other such chunks of
-    consecutive rows and similar lengths; a shorter prompt whole, in a call of its own (the
-    few-row products of a float32 matrix were not the same for every row count).
+    per row (layers.linear), and either path computes each row on its own, as attention computes
+    each query on its own over the keys before it. So a chunk of a prompt of GEMM_ROWS tokens or
+    more is fed in a call of at least GEMM_ROWS tokens per row (padded), with other such chunks of
+    consecutive rows and similar lengths; a shorter prompt whole, with other short ones alike.
     Each row's length is set from `done` first: a padded bucket of fixed-shape steps may have
     moved a staged row's length (see layers.kv_cache)."""
     calls: list[list[int]] = []
@@ -92,7 +91,7 @@ def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: li
         if calls:
             last = calls[-1]
             grown = max(longest, size)
-            if (rows[i] == rows[last[-1]] + 1 and n >= GEMM_ROWS and whole[last[0]] >= GEMM_ROWS
+            if (rows[i] == rows[last[-1]] + 1 and (n >= GEMM_ROWS) == (whole[last[0]] >= GEMM_ROWS)
                     and (len(last) + 1) * grown <= real + size + max((real + size) // 4, 64)):
                 last.append(i)
                 longest, real = grown, real + size
