@@ -114,13 +114,14 @@ SPECENGINE_INLINE float f16_to_float(uint16_t h) {
 
 SPECENGINE_INLINE float bf16_to_float(uint16_t bits) { return bits_to_float(static_cast<uint32_t>(bits) << 16); }
 
-// Q4_K and Q5_K's 6-bit sub-block scales and mins from their 12 bytes (gguf's get_scale_min).
-SPECENGINE_INLINE void scale_min_k4(const uint8_t* s, int sc[8], int m[8]) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    m[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+// Q4_K and Q5_K: sub-block j's 6-bit scale and min from their 12 bytes s (gguf's get_scale_min_k4).
+SPECENGINE_INLINE void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
 }
 
@@ -167,12 +168,12 @@ SPECENGINE_INLINE void dequantize_block(const uint8_t* b, float* out) {
     }
   } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
     const float d = f16_to_float(load_u16(b)), dmin = f16_to_float(load_u16(b + 2));
-    int sc[8], m[8];
-    scale_min_k4(b + 4, sc, m);
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + (T == WeightType::Q4_K ? 16 : 48);
     for (int j = 0; j < 8; ++j) {
-      const float scale = d * static_cast<float>(sc[j]), shift = dmin * static_cast<float>(m[j]);
+      int sc, m;
+      scale_min_k4(b + 4, j, sc, m);
+      const float scale = d * static_cast<float>(sc), shift = dmin * static_cast<float>(m);
       for (int l = 0; l < 32; ++l) {
         int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
         if constexpr (T == WeightType::Q5_K) q |= ((qh[l] >> j) & 1) << 4;
@@ -267,6 +268,19 @@ void slice_portable(const Slice& s, float* buffer) {
 }
 
 #ifdef SPECENGINE_X86
+// Q4_K and Q5_K's 16 sub-block fields from their 12 bytes at b + 4, four at a time in 32-bit
+// words (ggml's unpacking of get_scale_min_k4): bytes 0-7 the scales of sub-blocks 0-7, bytes
+// 8-15 their mins. Sub-blocks 0-3 keep their low 6 bits; 4-7 take a nibble of bytes 8-11 and the
+// top 2 bits of bytes 0-3 (scales) or 4-7 (mins).
+SPECENGINE_INLINE __m128i scale_min_k4_bytes(const uint8_t* b) {
+  const uint32_t w0 = load_u32(b + 4), w1 = load_u32(b + 8), w2 = load_u32(b + 12);
+  const uint32_t sc_lo = w0 & 0x3F3F3F3Fu, m_lo = w1 & 0x3F3F3F3Fu;
+  const uint32_t sc_hi = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
+  const uint32_t m_hi = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
+  return _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo),
+                        static_cast<int>(m_hi));
+}
+
 // ---- AVX2 path -------------------------------------------------------------------------------
 // The AVX-512 path's design on 8-lane vectors: a block is dequantized into registers, 8 weights
 // at a time in natural order, and multiplied against up to 4 rows of x while there; past
@@ -339,13 +353,8 @@ struct Avx2Blocks {
     } else if constexpr (T == WeightType::Q4_1 || T == WeightType::Q5_1) {
       _mm_storel_pi(reinterpret_cast<__m64*>(s), _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b)))));  // d, m
     } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
-      // scale_min_k4 four bytes at a time: sub-blocks 0-3 keep their low 6 bits, 4-7 take a
-      // nibble of bytes 8-11 and the top 2 bits of bytes 0-3 (scales) or 4-7 (mins).
-      const uint32_t lo_sc = load_u32(b + 4), lo_m = load_u32(b + 8), hi = load_u32(b + 12);
-      const __m128i sc = _mm_setr_epi32(static_cast<int>(lo_sc & 0x3F3F3F3Fu),
-                                        static_cast<int>((hi & 0x0F0F0F0Fu) | ((lo_sc >> 2) & 0x30303030u)), 0, 0);
-      const __m128i m = _mm_setr_epi32(static_cast<int>(lo_m & 0x3F3F3F3Fu),
-                                       static_cast<int>(((hi >> 4) & 0x0F0F0F0Fu) | ((lo_m >> 2) & 0x30303030u)), 0, 0);
+      const __m128i fields = scale_min_k4_bytes(b);
+      const __m128i sc = fields, m = _mm_unpackhi_epi64(fields, fields);
       const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
       _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_broadcastss_ps(d_dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
       _mm256_storeu_ps(s + 8, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d_dmin)),
@@ -361,9 +370,8 @@ struct Avx2Blocks {
   // one-row tile converts as it goes, see tile_direct_avx2).
   BLOCKS_AVX2_INLINE static void group_scales(const uint8_t* b, int g, float* s) {
     const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
-    const uint8_t* q = b + 4;
-    const int sc = g < 4 ? q[g] & 63 : (q[g + 4] & 0x0F) | ((q[g - 4] >> 6) << 4);
-    const int m = g < 4 ? q[g + 4] & 63 : (q[g + 4] >> 4) | ((q[g] >> 6) << 4);
+    int sc, m;
+    scale_min_k4(b + 4, g, sc, m);
     s[g] = _mm_cvtss_f32(d_dmin) * static_cast<float>(sc);
     s[8 + g] = _mm_cvtss_f32(_mm_movehdup_ps(d_dmin)) * static_cast<float>(m);
   }
@@ -823,14 +831,7 @@ struct Avx512K4 {
   static constexpr bool kLanes = true;
   static constexpr int kCols = 4;
   BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
-    // The 12 scale bytes as words of four 6-bit fields each (ggml's unpacking).
-    const uint32_t w0 = load_u32(b + 4), w1 = load_u32(b + 8), w2 = load_u32(b + 12);
-    const uint32_t sc_lo = w0 & 0x3F3F3F3Fu, m_lo = w1 & 0x3F3F3F3Fu;
-    const uint32_t sc_hi = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
-    const uint32_t m_hi = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
-    const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-        _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(m_lo),
-                       static_cast<int>(m_hi))));
+    const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scale_min_k4_bytes(b)));
     const __m512 d_dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                                 _mm512_castps128_ps512(f16_pair(b)));
     _mm512_storeu_ps(s, _mm512_mul_ps(d_dmin, fields));  // d * sc, dmin * m
