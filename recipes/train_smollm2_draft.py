@@ -386,6 +386,8 @@ def main():
                         help="rounds of train prompts (each round draws the requests again with a new seed)")
     parser.add_argument("--teach-batch", type=int, default=32)
     parser.add_argument("--max-new", type=int, default=128)
+    parser.add_argument("--heldout-prompts", type=int, default=64,
+                        help="held-out prompts the teacher answers (greedy and sampled) for the draft's held-out metrics")
     parser.add_argument("--max-prompt", type=int, default=384)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -422,7 +424,8 @@ def main():
     eos = {target_cfg["eos_token_id"], tokenizer.eos_token_id}
     shards = stage_teach(args.work, target_dir, prompts["train"], args.teach_minutes, device, args.teach_batch,
                          args.max_new, eos)
-    heldout = stage_heldout(args.work, target_dir, prompts["heldout"], device, args.max_new, eos)
+    heldout = stage_heldout(args.work, target_dir, prompts["heldout"], device, args.max_new, eos,
+                            args.heldout_prompts)
     model, state = stage_train(args.work, target_dir, shards, heldout, args.train_minutes, device,
                                target_cfg["vocab_size"],
                                tokenizer.eos_token_id, target_cfg.get("bos_token_id"), args.batch_tokens, args.lr,
@@ -433,7 +436,7 @@ def main():
                 teacher_tokens=teach["tokens"], teacher_generated_tokens=teach["generated"],
                 teach_minutes=teach["elapsed"] / 60, train_minutes=state["elapsed"] / 60,
                 train_steps=state["step"], train_tokens=state["tokens"], shape=DRAFT_SHAPE, top_k=TOP_K,
-                heldout_prompts=64, **state.get("heldout", {}),
+                heldout_prompts=min(args.heldout_prompts, len(prompts["heldout"])), **state.get("heldout", {}),
                 kd_weight=args.kd_weight, lr=args.lr, output_vocab=args.output_vocab or target_cfg["vocab_size"],
                 date=time.strftime("%Y-%m-%d"))
     output_ids = None

@@ -11,9 +11,10 @@ import pytest
 from specengine import Engine, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-# Seconds of teaching and training (a few teacher batches, a few steps), short answers and prompts.
+# Seconds of teaching and training (a few teacher batches, a few steps), short answers and prompts,
+# a few held-out prompts.
 TINY = ["--teach-minutes", "0.05", "--train-minutes", "0.05", "--teach-batch", "4", "--max-new", "8",
-        "--max-prompt", "64", "--batch-tokens", "512", "--output-vocab", "512", "--device", "cpu"]
+        "--max-prompt", "64", "--heldout-prompts", "4", "--batch-tokens", "512", "--output-vocab", "512", "--device", "cpu"]
 
 
 def run_recipe(work: Path, out: Path, target: Path) -> str:

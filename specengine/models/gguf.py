@@ -1,9 +1,10 @@
-"""GGUF files (llama.cpp's format) read through the `gguf` package: config, weights, tokenizer.
+"""GGUF files (llama.cpp's format) as models: config, weights, tokenizer.
 
-A GGUF file holds what a Hugging Face folder holds: metadata (which we turn into a config.json
-dict, so one ModelConfig parser validates both), tensors under llama.cpp's names (mapped here
-to transformers' names, dequantized to float32 by `gguf.quants`), and the tokenizer with its
-chat template (converted by transformers' GGUF tokenizer support). Nothing is executed.
+A GGUF file (parsed by gguf_file) holds what a Hugging Face folder holds: metadata (which we turn
+into a config.json dict, so one ModelConfig parser validates both), tensors under llama.cpp's
+names (mapped here to transformers' names; kept as stored, or dequantized to float32 by
+`gguf.quants`), and the tokenizer with its chat template (converted by transformers' GGUF
+tokenizer support). Nothing is executed.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import CheckpointError
+from .gguf_file import GGUFError, GGUFFile
 
 # llama.cpp's architecture names -> ours. llama.cpp writes Mistral as "llama" (told apart by
 # its general.name, as transformers does).
@@ -39,58 +40,33 @@ _MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-class GGUFError(CheckpointError):
-    """A GGUF file is unreadable, truncated, or holds something this engine does not run."""
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file's fields and tensors, every tensor's data checked to lie inside the file."""
+    return GGUFFile(path)
 
 
-def open_gguf(path: str | Path):
-    """A gguf.GGUFReader over `path`, with every tensor's data checked to lie inside the file."""
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise GGUFError(f"{path}: reading GGUF files needs the `gguf` package (pip install gguf)") from None
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError) as e:  # bad magic, truncated header or data
-        raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise GGUFError(f"{path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
-                            f"of a {size}-byte file")
-    return reader
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_config(reader, path: str | Path) -> dict:
+def gguf_config(file: GGUFFile, path: str | Path) -> dict:
     """The file's metadata as a Hugging Face config.json dict (weights stored in bfloat16)."""
-    arch = _field(reader, "general.architecture")
+    arch = file.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                         f"{', '.join(GGUF_ARCHITECTURES)} (llama also covers Mistral)")
     architecture = GGUF_ARCHITECTURES[arch]
-    if arch == "llama" and "mistral" in str(_field(reader, "general.name", "")).lower():
+    if arch == "llama" and "mistral" in str(file.get("general.name", "")).lower():
         architecture = "MistralForCausalLM"
 
     def need(key):
-        value = _field(reader, f"{arch}.{key}")
+        value = file.get(f"{arch}.{key}")
         if value is None:
             raise GGUFError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in file.tensors}
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    vocab = _field(reader, f"{arch}.vocab_size")
+    vocab = file.get(f"{arch}.vocab_size")
     if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
+        tokens = file.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else int(tensors["token_embd.weight"].shape[-1])
     cfg = {
         "architectures": [architecture],
         "model_type": "mistral" if architecture == "MistralForCausalLM" else arch,
@@ -99,31 +75,31 @@ def gguf_config(reader, path: str | Path) -> dict:
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "num_key_value_heads": int(file.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(file.get(f"{arch}.attention.key_length", hidden // heads)),
         "max_position_embeddings": int(need("context_length")),
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_theta": float(file.get(f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu",
         "dtype": "bfloat16",
     }
-    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+    rope_dims = file.get(f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != cfg["head_dim"]:
         raise GGUFError(f"{path}: rotary over {rope_dims} of {cfg['head_dim']} head dimensions "
                         "(partial rotary) is not supported")
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = file.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none", "linear"):
         raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, llama3)")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     if _ROPE_FREQS in tensors:
         cfg["rope_scaling"] = _llama3_rope(tensors[_ROPE_FREQS], cfg, path)
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = file.get(f"{arch}.attention.sliding_window")
     if window and architecture == "MistralForCausalLM":
         cfg["sliding_window"] = int(window)
     for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        value = _field(reader, name)
+        value = file.get(name)
         if value is not None:
             cfg[key] = int(value)
     return cfg
@@ -171,10 +147,10 @@ def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
     return weights.reshape(heads, rows // heads // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def _weights(reader, cfg: dict, path: str | Path):
+def _weights(file: GGUFFile, cfg: dict, path: str | Path):
     """(transformers name, GGUF tensor) for every weight of the file (rope_freqs, read as the
     config, is none)."""
-    for t in reader.tensors:
+    for t in file.tensors:
         if t.name == _ROPE_FREQS:
             continue
         name = _hf_name(t.name)
@@ -183,12 +159,12 @@ def _weights(reader, cfg: dict, path: str | Path):
         yield name, t
 
 
-def gguf_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+def gguf_tensors(file: GGUFFile, cfg: dict, path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """(transformers name, float32 array) for every weight of the file."""
     from gguf.quants import dequantize
 
     permute = cfg["model_type"] in ("llama", "mistral")
-    for name, t in _weights(reader, cfg, path):
+    for name, t in _weights(file, cfg, path):
         try:
             weights = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -203,7 +179,7 @@ def gguf_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[str, np.
         yield name, weights
 
 
-def gguf_stored_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[str, object]]:
+def gguf_stored_tensors(file: GGUFFile, cfg: dict, path: str | Path) -> Iterator[tuple[str, object]]:
     """(transformers name, tensor) for every weight of the file, matrices kept as stored: a
     MatrixPart (ops.blocks) viewing the file's mapped bytes (q and k rows are put back in
     transformers' order, which copies them), vectors as float32 tensors. A matrix of a type the
@@ -219,7 +195,7 @@ def gguf_stored_tensors(reader, cfg: dict, path: str | Path) -> Iterator[tuple[s
     log = logging.getLogger("specengine")
     permute = cfg["model_type"] in ("llama", "mistral")
     stored_types = {int(t) for t in BLOCK_LAYOUT}
-    for name, t in _weights(reader, cfg, path):
+    for name, t in _weights(file, cfg, path):
         shape = _array_shape(t)
         if len(shape) == 1:
             yield name, torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
@@ -282,19 +258,19 @@ def convert_gguf(path: str | Path, out_dir: str | Path, progress: bool = True) -
     path, out_dir = Path(path), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty")
-    reader = open_gguf(path)
-    cfg = gguf_config(reader, path)
+    file = open_gguf(path)
+    cfg = gguf_config(file, path)
     ModelConfig.from_dict(cfg)  # refuse what we could not run before writing anything
     tokenizer = gguf_tokenizer(path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         tensors = {}
-        items = gguf_tensors(reader, cfg, path)
+        items = gguf_tensors(file, cfg, path)
         if progress:
             from tqdm.auto import tqdm
 
-            items = tqdm(items, total=len(reader.tensors), desc=f"converting {path.name}", unit="tensor")
+            items = tqdm(items, total=len(file.tensors), desc=f"converting {path.name}", unit="tensor")
         for name, array in items:
             if not (cfg["tie_word_embeddings"] and name == "lm_head.weight"):
                 tensors[name] = torch.from_numpy(array).to(torch.bfloat16)
@@ -326,18 +302,17 @@ def requantize_gguf(path: str | Path, out: str | Path, type_name: str = "BF16") 
     import gguf
     from gguf.quants import dequantize, quantize
 
-    reader = open_gguf(path)
+    file = open_gguf(path)
     qtype = gguf.GGMLQuantizationType[type_name]
-    writer = gguf.GGUFWriter(str(out), str(_field(reader, "general.architecture")))
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+    writer = gguf.GGUFWriter(str(out), str(file.get("general.architecture")))
+    for field in file.fields.values():
+        if field.name == "general.architecture":
             continue  # written by the writer itself
-        value = field.contents()
+        value = field.value
         if field.name == "general.file_type":
             value = {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7}.get(type_name, value)
-        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
-    for t in reader.tensors:
+        writer.add_key_value(field.name, value, field.value_type, sub_type=field.item_type)
+    for t in file.tensors:
         if len(t.shape) < 2 or t.tensor_type == qtype:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
             continue

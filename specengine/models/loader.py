@@ -161,21 +161,21 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
 def _load_gguf(path: Path, device, dtype, weight_dtype, tp: TensorParallel | None) -> Model:
     from .gguf import gguf_config, gguf_stored_tensors, gguf_tensors, open_gguf
 
-    reader = open_gguf(path)
-    raw = gguf_config(reader, path)
+    file = open_gguf(path)
+    raw = gguf_config(file, path)
     cfg = ModelConfig.from_dict(raw)
     if weight_dtype is not None or tp is not None:  # dequantized into dense matrices (of that dtype)
         if weight_dtype is None:  # the file's exact values, in float32
             log.info("%s: tensor parallelism splits dense matrices: the file's are dequantized to float32", path.name)
             weight_dtype, dtype = "float32", dtype or "float32"
-        tensors = ((name, torch.from_numpy(array)) for name, array in gguf_tensors(reader, raw, path))
+        tensors = ((name, torch.from_numpy(array)) for name, array in gguf_tensors(file, raw, path))
         return fill_model(empty_model(cfg, device, dtype, weight_dtype, tp), tensors, path)
     if dtype is not None and resolve_dtype(dtype, cfg, torch.device(device)) != torch.float32:
         raise ValueError(f"{path}: matrices kept as the GGUF file stores them compute in float32, not {dtype}; "
                          "pass a weight_dtype to dequantize them instead")
     model = empty_model(cfg, device, dtype, weight_dtype, stored_matrices=True)
-    model = fill_stored_model(model, gguf_stored_tensors(reader, raw, path), path)
-    del reader
+    model = fill_stored_model(model, gguf_stored_tensors(file, raw, path), path)
+    del file
     return_freed_memory()
     return model
 
