@@ -6,7 +6,8 @@
 // row tile: a group of 4 weight rows has its blocks' scales converted once, then its blocks are
 // dequantized into registers and multiplied against a tile of up to 4 rows of x at once (again
 // per tile, from L1, up to kDirectRows rows), or, past kDirectRows rows, dequantized once into
-// an L1 buffer that the tiles run over.
+// an L1 buffer that the tiles run over. (So the AVX-512 path; the AVX2 one, below, takes up to 8
+// rows of x in one tile.)
 //
 // The 4- and 5-bit formats dequantize through a table: a block's (or sub-block's) weights take
 // only 16 (32) values, d * q + m for q = 0..15, one 512-bit register (two) built by one FMA,
@@ -72,8 +73,9 @@ namespace {
 // How far ahead of the block being dequantized its thread's weight stream is prefetched, into
 // L2: linear.cpp's distance, tuned for the same kind of stream on the same kind of machine.
 constexpr int64_t kPrefetchBytes = 16384;
-// Rows of x up to which blocks are dequantized into registers, again for each tile of 4 rows;
-// from kDirectRows + 1 rows on, a group's rows are dequantized once into an L1 buffer first.
+// AVX-512 path: rows of x up to which blocks are dequantized into registers, again for each tile
+// of 4 rows; from kDirectRows + 1 rows on, a group's rows are dequantized once into an L1 buffer
+// first. (The AVX2 path has its own bound, kDirectRowsAvx2.)
 // On the 2-core Zen 5 VM this was tuned on (SmolLM2's Q4_1 matrices, one thread), tiles from
 // registers took 15-19 ms a pass at 6-8 rows where the buffer took 22-30, and about the same
 // at 16.
@@ -283,9 +285,9 @@ SPECENGINE_INLINE __m128i scale_min_k4_bytes(const uint8_t* b) {
 
 // ---- AVX2 path -------------------------------------------------------------------------------
 // The AVX-512 path's design on 8-lane vectors: a block is dequantized into registers, 8 weights
-// at a time in natural order, and multiplied against up to 4 rows of x while there; past
-// kDirectRows rows, a group of weight rows is dequantized once into a buffer that the tiles run
-// over. Without a 16-entry permute, a nibble becomes a weight by widening (vpmovzxbd), an integer
+// at a time in natural order, and multiplied against every row of x while there, up to
+// kDirectRowsAvx2 rows; past them, a group of weight rows is dequantized once into a buffer that
+// tiles of 6 rows of x run over. Without a 16-entry permute, a nibble becomes a weight by widening (vpmovzxbd), an integer
 // to float conversion and one FMA, exact as exact_affine (AVX-512 path, below) explains. Each
 // (row of x, weight row) has one vector of partial sums over k in steps of 8, the same from
 // registers or the buffer. (F16C converts the scale fields: every AVX2 CPU has it, the path
@@ -489,10 +491,10 @@ BLOCKS_AVX2_INLINE void store_tile_avx2(const Slice& s, const __m256 (&acc)[ROWS
     }
 }
 
-// Rows [r0, r0 + ROWS) of x against COLS weight rows from n0, blocks dequantized into registers;
-// `scales` holds the blocks' scales (columns_direct_avx2), or is null: converted here per block.
-template <WeightType T, int ROWS, int COLS, bool kOwnScales>
-BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0, const float* scales) {
+// Rows [r0, r0 + ROWS) of x against COLS weight rows from n0, blocks dequantized into registers,
+// their scales converted here.
+template <WeightType T, int ROWS, int COLS>
+BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0) {
   using D = Avx2Blocks<T>;
   const uint8_t* w = s.data + n0 * s.row_bytes;
   const float* x = s.x + r0 * s.K;
@@ -506,8 +508,8 @@ BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0, const 
   // own two as it goes, as Q6_K's (measured on the Zen 3 VM, 4096 x 4096 Q4_K at 4 rows: 3.7 GB/s
   // a block against 2.5 a group; at 1 row 4.9 a group against 3.8-4.2; Q6_K a group either way).
   constexpr bool kK4 = T == WeightType::Q4_K || T == WeightType::Q5_K;
-  constexpr bool kBlockScales = kOwnScales && kK4 && ROWS > 1;
-  constexpr bool kGroupScales = kOwnScales && !Avx2Group<T>::kRegisterScales && D::kScales > 0 && !kBlockScales;
+  constexpr bool kBlockScales = kK4 && ROWS > 1;
+  constexpr bool kGroupScales = !Avx2Group<T>::kRegisterScales && D::kScales > 0 && !kBlockScales;
   alignas(32) float own[kBlockScales ? COLS : 1][D::kScales > 0 ? D::kScales : 1];
   for (int64_t blk = 0; blk < blocks; ++blk) {
     if (r0 == 0)
@@ -530,8 +532,6 @@ BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0, const 
         } else if constexpr (kGroupScales) {
           D::scales(bj, group_scales);
           sj = group_scales;
-        } else if constexpr (!kOwnScales) {
-          sj = scales + (j * blocks + blk) * D::kScales;
         }
         const Avx2Group<T> pieces(sj, bj, g);
 #pragma GCC unroll 4
@@ -546,39 +546,21 @@ BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0, const 
   store_tile_avx2<ROWS, COLS>(s, acc, r0, n0);
 }
 
-// All R (<= kDirectRows) rows of x against COLS weight rows from n0: one tile (up to 4 rows, or up
-// to 8 when COLS is 1: at most 8 accumulators), or else tiles of 4 rows, each dequantizing the
-// blocks again (from L1). One tile converts each block's scales as it goes; more share them,
-// converted once into s.scratch first.
+// All R (<= kDirectRowsAvx2) rows of x against COLS weight rows from n0 in one tile, so that
+// each block is dequantized once for all rows: up to 8 accumulators (COLS 8 at 1 row, 2 up to 4
+// rows, 1 up to 8).
 template <WeightType T, int COLS>
 BLOCKS_AVX2 void columns_direct_avx2(const Slice& s, int64_t n0) {
-  using D = Avx2Blocks<T>;
-  if (s.R <= (COLS == 1 ? 8 : 4)) {
-    switch (s.R) {
-      case 8: if constexpr (COLS == 1) return tile_direct_avx2<T, 8, COLS, true>(s, 0, n0, nullptr); break;
-      case 7: if constexpr (COLS == 1) return tile_direct_avx2<T, 7, COLS, true>(s, 0, n0, nullptr); break;
-      case 6: if constexpr (COLS == 1) return tile_direct_avx2<T, 6, COLS, true>(s, 0, n0, nullptr); break;
-      case 5: if constexpr (COLS == 1) return tile_direct_avx2<T, 5, COLS, true>(s, 0, n0, nullptr); break;
-      case 4: return tile_direct_avx2<T, 4, COLS, true>(s, 0, n0, nullptr);
-      case 3: return tile_direct_avx2<T, 3, COLS, true>(s, 0, n0, nullptr);
-      case 2: return tile_direct_avx2<T, 2, COLS, true>(s, 0, n0, nullptr);
-      default: return tile_direct_avx2<T, 1, COLS, true>(s, 0, n0, nullptr);
-    }
-  }
-  const uint8_t* w = s.data + n0 * s.row_bytes;
-  const int64_t blocks = s.K32 / D::kWeights;
-  float* scales = s.scratch;
-  if constexpr (D::kScales > 0)
-    for (int j = 0; j < COLS; ++j)
-      for (int64_t blk = 0; blk < blocks; ++blk)
-        D::scales(w + j * s.row_bytes + blk * D::kBytes, scales + (j * blocks + blk) * D::kScales);
-  int64_t r = 0;
-  for (; r + 4 <= s.R; r += 4) tile_direct_avx2<T, 4, COLS, false>(s, r, n0, scales);
-  switch (s.R - r) {
-    case 3: return tile_direct_avx2<T, 3, COLS, false>(s, r, n0, scales);
-    case 2: return tile_direct_avx2<T, 2, COLS, false>(s, r, n0, scales);
-    case 1: return tile_direct_avx2<T, 1, COLS, false>(s, r, n0, scales);
-    default: return;
+  static_assert(COLS == 1 || COLS == 2 || COLS == 8);
+  switch (s.R) {
+    case 8: if constexpr (COLS == 1) return tile_direct_avx2<T, 8, COLS>(s, 0, n0); break;
+    case 7: if constexpr (COLS == 1) return tile_direct_avx2<T, 7, COLS>(s, 0, n0); break;
+    case 6: if constexpr (COLS == 1) return tile_direct_avx2<T, 6, COLS>(s, 0, n0); break;
+    case 5: if constexpr (COLS == 1) return tile_direct_avx2<T, 5, COLS>(s, 0, n0); break;
+    case 4: if constexpr (COLS <= 2) return tile_direct_avx2<T, 4, COLS>(s, 0, n0); break;
+    case 3: if constexpr (COLS <= 2) return tile_direct_avx2<T, 3, COLS>(s, 0, n0); break;
+    case 2: if constexpr (COLS <= 2) return tile_direct_avx2<T, 2, COLS>(s, 0, n0); break;
+    case 1: return tile_direct_avx2<T, 1, COLS>(s, 0, n0);
   }
 }
 
@@ -622,23 +604,38 @@ BLOCKS_AVX2 void tile_buffered_avx2(const Slice& s, const float* w, int64_t r0, 
   store_tile_avx2<ROWS, COLS>(s, acc, r0, n0);
 }
 
+// All R rows of x, in tiles of 6 (12 accumulators) against COLS buffered weight rows.
 template <int COLS>
 BLOCKS_AVX2 void rows_buffered_avx2(const Slice& s, const float* w, int64_t n0) {
   int64_t r = 0;
-  for (; r + 2 <= s.R; r += 2) tile_buffered_avx2<2, COLS>(s, w, r, n0);
-  if (r < s.R) tile_buffered_avx2<1, COLS>(s, w, r, n0);
+  for (; r + 6 <= s.R; r += 6) tile_buffered_avx2<6, COLS>(s, w, r, n0);
+  switch (s.R - r) {
+    case 5: return tile_buffered_avx2<5, COLS>(s, w, r, n0);
+    case 4: return tile_buffered_avx2<4, COLS>(s, w, r, n0);
+    case 3: return tile_buffered_avx2<3, COLS>(s, w, r, n0);
+    case 2: return tile_buffered_avx2<2, COLS>(s, w, r, n0);
+    case 1: return tile_buffered_avx2<1, COLS>(s, w, r, n0);
+    default: return;
+  }
 }
+
+// Rows of x up to which this path dequantizes blocks into registers (one tile of all rows), and
+// past which into the buffer, once per group of weight rows, for tiles of 6 rows of x against
+// 2 weight rows. Measured on the 2-core Zen 3 VM (SmolLM2's Q4_1 layers, ms a pass): registers
+// 9.9 at 5 rows and 16.1 at 8, against 14.5 and 21.6 from the buffer; from 9 rows on the buffer
+// 21.7, 26.5 and 34.0 at 9, 12 and 16 rows, against 25.3, 30.2 and 39.6 for tiles of 4 rows
+// each dequantizing again (Q8_0 and Q6_K alike; Q4_K 4-10% slower that way).
+constexpr int64_t kDirectRowsAvx2 = 8;
 
 template <WeightType T>
 BLOCKS_AVX2 void slice_avx2(const Slice& s, float* buffer) {
   int64_t n = s.begin;
-  if (s.R <= kDirectRows) {
+  if (s.R <= kDirectRowsAvx2) {
     if (s.R == 1)  // one row of x: eight independent sums to hide FMA latency
       for (; n + 8 <= s.end; n += 8) columns_direct_avx2<T, 8>(s, n);
-    // 5 to 8 rows: one column at a time, so that each block is dequantized once for all rows (on
-    // the Zen 3 VM, SmolLM2's Q4_1 matrices took 12.3 ms a pass at 5 rows against 19.9 in a
-    // 4-row and a 1-row tile; 9 to 16 rows took longer that way, x's rows then overflowing L1).
-    if (s.R <= 4 || s.R > 8)
+    // 5 to 8 rows: one column at a time (on the Zen 3 VM, SmolLM2's Q4_1 matrices took 12.3 ms
+    // a pass at 5 rows against 19.9 in a 4-row and a 1-row tile, each dequantizing the blocks).
+    if (s.R <= 4)
       for (; n + 2 <= s.end; n += 2) columns_direct_avx2<T, 2>(s, n);
     for (; n < s.end; ++n) columns_direct_avx2<T, 1>(s, n);
     return;
@@ -646,11 +643,9 @@ BLOCKS_AVX2 void slice_avx2(const Slice& s, float* buffer) {
   for (; n < s.end; n += kGroupRows) {
     const int64_t cols = std::min(kGroupRows, s.end - n);
     dequantize_avx2<T>(s.data + n * s.row_bytes, s.row_bytes, cols, s.K32, buffer);
-    if (cols == kGroupRows) {
-      rows_buffered_avx2<kGroupRows>(s, buffer, n);
-    } else {
-      for (int64_t j = 0; j < cols; ++j) rows_buffered_avx2<1>(s, buffer + j * s.K32, n + j);
-    }
+    int64_t j = 0;
+    for (; j + 2 <= cols; j += 2) rows_buffered_avx2<2>(s, buffer + j * s.K32, n + j);
+    if (j < cols) rows_buffered_avx2<1>(s, buffer + j * s.K32, n + j);
   }
 }
 
