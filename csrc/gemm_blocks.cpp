@@ -69,6 +69,25 @@ SPECENGINE_AVX512 void transpose_into_panel_avx512(const float* rows, int64_t co
     for (int64_t i = 0; i < width; ++i) _mm512_storeu_ps(panel + (k0 + i) * kPanelCols + half, v[i]);
   }
 }
+
+// transpose_into_panel, 8 x 8 weights at a time (the k past the last multiple of 8 one by one).
+// On the 2-core Zen 3 VM, a pass over SmolLM2-shaped Q4_1 matrices at 32 rows of x took 64 ms
+// this way against 104 with the scalar loop's strided stores (Q4_K-shaped: 80 against 129).
+SPECENGINE_AVX2 void transpose_into_panel_avx2(const float* rows, int64_t cols, int64_t K, float* panel,
+                                               int64_t half) {
+  const int64_t K8 = K & ~int64_t{7};
+  for (int64_t j0 = 0; j0 < 16; j0 += 8) {
+    for (int64_t k0 = 0; k0 < K8; k0 += 8) {
+      __m256 v[8];
+      for (int64_t j = 0; j < 8; ++j)
+        v[j] = j0 + j < cols ? _mm256_loadu_ps(rows + (j0 + j) * K + k0) : _mm256_setzero_ps();
+      transpose8x8(v);
+      for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (k0 + i) * kPanelCols + half + j0, v[i]);
+    }
+    for (int64_t k = K8; k < K; ++k)
+      for (int64_t j = j0; j < j0 + 8; ++j) panel[k * kPanelCols + half + j] = j < cols ? rows[j * K + k] : 0.f;
+  }
+}
 #endif
 
 // ---- x in tiles ----------------------------------------------------------------------------------
@@ -327,6 +346,10 @@ void gemm_blocks(const float* x, const Matrix& w, const float* bias, float* out,
 #ifdef SPECENGINE_X86
           if (path == Path::avx512) {
             transpose_into_panel_avx512(rows, half_cols, K, panel, half);
+            continue;
+          }
+          if (path == Path::avx2) {
+            transpose_into_panel_avx2(rows, half_cols, K, panel, half);
             continue;
           }
 #endif
