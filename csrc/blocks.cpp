@@ -287,10 +287,10 @@ SPECENGINE_INLINE __m128i scale_min_k4_bytes(const uint8_t* b) {
 // The AVX-512 path's design on 8-lane vectors: a block is dequantized into registers, 8 weights
 // at a time in natural order, and multiplied against every row of x while there, up to
 // kDirectRowsAvx2 rows; past them, a group of weight rows is dequantized once into a buffer that
-// tiles of 6 rows of x run over. Without a 16-entry permute, a nibble becomes a weight by widening (vpmovzxbd), an integer
-// to float conversion and one FMA, exact as exact_affine (AVX-512 path, below) explains. Each
-// (row of x, weight row) has one vector of partial sums over k in steps of 8, the same from
-// registers or the buffer. (F16C converts the scale fields: every AVX2 CPU has it, the path
+// tiles of 6 rows of x run over. Without a 16-entry permute, a nibble becomes a weight by
+// widening (vpmovzxbd), an integer to float conversion and one FMA, exact as exact_affine
+// (AVX-512 path, below) explains. Each (row of x, weight row) has one vector of partial sums over
+// k in steps of 8, the same from registers or the buffer. (F16C converts the scale fields: every AVX2 CPU has it, the path
 // still asks.) On the 2-core Zen 3 VM this was written on, what bounded one row of x was the
 // scales: converted into an array and read back, they took about a quarter of the time, so a
 // one-tile call broadcasts the legacy types' d and m into registers straight from the block.
@@ -624,7 +624,7 @@ BLOCKS_AVX2 void rows_buffered_avx2(const Slice& s, const float* w, int64_t n0) 
 // 2 weight rows. Measured on the 2-core Zen 3 VM (SmolLM2's Q4_1 layers, ms a pass): registers
 // 9.9 at 5 rows and 16.1 at 8, against 14.5 and 21.6 from the buffer; from 9 rows on the buffer
 // 21.7, 26.5 and 34.0 at 9, 12 and 16 rows, against 25.3, 30.2 and 39.6 for tiles of 4 rows
-// each dequantizing again (Q8_0 and Q6_K alike; Q4_K 4-10% slower that way).
+// each dequantizing again (Q8_0 and Q6_K alike; Q4_K 4-12% slower from the buffer).
 constexpr int64_t kDirectRowsAvx2 = 8;
 
 template <WeightType T>
