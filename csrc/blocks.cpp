@@ -4,10 +4,9 @@
 // format reads fewer of them than bfloat16 (Q4_1: 5 bits a weight against 16). What it costs
 // instead is the arithmetic that turns a block into float32 weights, paid once per weight per
 // row tile: a group of 4 weight rows has its blocks' scales converted once, then its blocks are
-// dequantized into registers and multiplied against a tile of up to 4 rows of x at once (again
-// per tile, from L1, up to kDirectRows rows), or, past kDirectRows rows, dequantized once into
-// an L1 buffer that the tiles run over. (So the AVX-512 path; the AVX2 one, below, takes up to 8
-// rows of x in one tile.)
+// dequantized into registers and multiplied against all rows of x at once (up to kDirectRows),
+// or, past kDirectRows rows, dequantized once into an L1 buffer that tiles of rows run over. (So
+// the AVX-512 path; the AVX2 one, below, takes up to 8 rows of x in one register tile.)
 //
 // The 4- and 5-bit formats dequantize through a table: a block's (or sub-block's) weights take
 // only 16 (32) values, d * q + m for q = 0..15, one 512-bit register (two) built by one FMA,
@@ -73,13 +72,12 @@ namespace {
 // How far ahead of the block being dequantized its thread's weight stream is prefetched, into
 // L2: linear.cpp's distance, tuned for the same kind of stream on the same kind of machine.
 constexpr int64_t kPrefetchBytes = 16384;
-// AVX-512 path: rows of x up to which blocks are dequantized into registers, again for each tile
-// of 4 rows; from kDirectRows + 1 rows on, a group's rows are dequantized once into an L1 buffer
-// first. (The AVX2 path has its own bound, kDirectRowsAvx2.)
-// On the 2-core Zen 5 VM this was tuned on (SmolLM2's Q4_1 matrices, one thread), tiles from
-// registers took 15-19 ms a pass at 6-8 rows where the buffer took 22-30, and about the same
-// at 16.
-constexpr int64_t kDirectRows = 16;
+// AVX-512 path: rows of x up to which blocks are dequantized into registers, in one tile with
+// every row; from kDirectRows + 1 rows on, a group's rows are dequantized once into an L1
+// buffer first, which tiles of up to kBufferedRows rows read. (A register tile of more rows
+// keeps more rows of x in L1 than it holds: measured slower, bench/results/blocks-avx512-*.)
+// The AVX2 path has its own bound, kDirectRowsAvx2.
+constexpr int64_t kDirectRows = 4;
 // Weight rows per group: dequantized together, each thread's rows a whole number of groups.
 constexpr int64_t kGroupRows = 4;
 // The products' vectors of partial sums cover k in steps of 32 weights (a legacy block); the
@@ -1006,9 +1004,8 @@ BLOCKS_AVX512 void tile_direct(const Slice& s, int64_t r0, int64_t n0, const flo
   store_tile<ROWS, COLS>(s, acc, r0, n0);
 }
 
-// All R (<= kDirectRows) rows of x against COLS weight rows from n0, in tiles of up to 4 rows:
-// first the blocks' scales, converted once into s.scratch, then each tile dequantizing the
-// blocks again (from L1: cheaper than a round trip through a buffer).
+// All R (<= kDirectRows) rows of x against COLS weight rows from n0 in one tile: first the
+// blocks' scales, converted once into s.scratch, then the tile, dequantizing each block once.
 template <WeightType T, int COLS>
 BLOCKS_AVX512 void columns_direct(const Slice& s, int64_t n0) {
   using D = Avx512Blocks<T>;
@@ -1019,16 +1016,15 @@ BLOCKS_AVX512 void columns_direct(const Slice& s, int64_t n0) {
     for (int j = 0; j < COLS; ++j)
       for (int64_t blk = 0; blk < blocks; ++blk)
         D::scales(w + j * s.row_bytes + blk * D::kBytes, scales + (j * blocks + blk) * D::kScales);
+  static_assert(kDirectRows == 4, "a tile for each row count up to kDirectRows");
   if constexpr (COLS == 8) {  // one row of x (decoding): eight FMA chains
     return tile_direct<T, 1, COLS>(s, 0, n0, scales);
   } else {
-    int64_t r = 0;
-    for (; r + 4 <= s.R; r += 4) tile_direct<T, 4, COLS>(s, r, n0, scales);
-    switch (s.R - r) {
-      case 3: return tile_direct<T, 3, COLS>(s, r, n0, scales);
-      case 2: return tile_direct<T, 2, COLS>(s, r, n0, scales);
-      case 1: return tile_direct<T, 1, COLS>(s, r, n0, scales);
-      default: return;
+    switch (s.R) {
+      case 4: return tile_direct<T, 4, COLS>(s, 0, n0, scales);
+      case 3: return tile_direct<T, 3, COLS>(s, 0, n0, scales);
+      case 2: return tile_direct<T, 2, COLS>(s, 0, n0, scales);
+      default: return tile_direct<T, 1, COLS>(s, 0, n0, scales);
     }
   }
 }
@@ -1052,15 +1048,24 @@ BLOCKS_AVX512 void tile_buffered(const Slice& s, const float* x, int64_t xs, con
   store_tile<ROWS, COLS>(s, acc, r0, n0);
 }
 
+// All R rows of x against COLS buffered weight rows, in tiles of at most kBufferedRows rows
+// (ROWS x COLS accumulators, COLS weight vectors and a row of x within the 32 registers), the
+// rows shared out evenly: a tile of one or two rows loads about as many vectors as it multiplies.
+constexpr int64_t kBufferedRows = 6;
 template <int COLS>
 BLOCKS_AVX512 void columns_buffered(const Slice& s, const float* x, int64_t xs, const float* w, int64_t n0) {
-  int64_t r = 0;
-  for (; r + 4 <= s.R; r += 4) tile_buffered<4, COLS>(s, x, xs, w, r, n0);
-  switch (s.R - r) {
-    case 3: tile_buffered<3, COLS>(s, x, xs, w, r, n0); break;
-    case 2: tile_buffered<2, COLS>(s, x, xs, w, r, n0); break;
-    case 1: tile_buffered<1, COLS>(s, x, xs, w, r, n0); break;
-    default: break;
+  const int64_t tiles = (s.R + kBufferedRows - 1) / kBufferedRows;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int64_t rows = (s.R - r) / (tiles - t);  // the rows left, shared by the tiles left
+    switch (rows) {
+      case 6: tile_buffered<6, COLS>(s, x, xs, w, r, n0); break;
+      case 5: tile_buffered<5, COLS>(s, x, xs, w, r, n0); break;
+      case 4: tile_buffered<4, COLS>(s, x, xs, w, r, n0); break;
+      case 3: tile_buffered<3, COLS>(s, x, xs, w, r, n0); break;
+      case 2: tile_buffered<2, COLS>(s, x, xs, w, r, n0); break;
+      default: tile_buffered<1, COLS>(s, x, xs, w, r, n0); break;
+    }
+    r += rows;
   }
 }
 
