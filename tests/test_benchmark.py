@@ -144,3 +144,34 @@ def test_bench_rejects_bad_options(text_pair, tmp_path, capsys):
         BenchOptions(target, draft, tmp_path, gammas=(0, 2))
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         BenchOptions(target, draft, tmp_path, repeats=0)
+
+
+def test_bench_runs_on_a_gguf_target(tmp_path):
+    """A GGUF file as the target (the default pair's is one): specengine runs it as stored and
+    Hugging Face loads the same file, and greedy outputs still equal HF's."""
+    from gguf_util import gguf_file
+    from specengine.devtools.tiny import make_config, save_random_checkpoint
+
+    target = gguf_file("tiny-llama.Q8_0.gguf")
+    eos = load_model(target).config.eos_token_ids[0]
+    draft = tmp_path / "draft"  # no tokenizer files: it shares the target's 320 tokens
+    save_random_checkpoint(draft, make_config(vocab_size=320, hidden_size=32, num_layers=1, num_heads=2,
+                                              num_kv_heads=1, eos_token_id=eos), seed=1, init_std=0.3)
+    code = cli_main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", "2", "--new-tokens", "5",
+                     "--repeats", "1", "--gammas", "2", "--batches", "1", "--temperatures", "0",
+                     "--out-dir", str(tmp_path), "--no-plot"])
+    assert code == 0
+    (path,) = tmp_path.glob("e2e-*.csv")
+    rows = {row["config"]: row for row in csv.DictReader(path.open())}
+    assert {"hf T=0 B=1", "spec target-only T=0 B=1", "spec draft gamma=2 T=0 B=1"} <= set(rows)
+    for name, row in rows.items():
+        assert float(row["tokens_per_s"]) > 0, name
+        if row["kind"] in ("spec", "eager"):
+            assert row["greedy_equals_hf"] == "True", name
+
+
+def test_bench_refuses_a_missing_target_by_name(tmp_path, text_pair):
+    _, draft = text_pair
+    for missing in (tmp_path / "nothing", tmp_path / "nothing.gguf"):
+        with pytest.raises(FileNotFoundError, match="neither a checkpoint folder nor a GGUF file"):
+            BenchOptions(missing, draft, tmp_path)

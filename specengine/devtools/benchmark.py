@@ -50,6 +50,7 @@ from ..engine import Engine
 from ..engine.costs import measure_costs
 from ..engine.gamma import CostModel, expected_ops_ratio, predicted_speedup
 from ..models import load_model
+from ..models.loader import is_gguf
 from ..sampling.params import SamplingParams
 from ..shipped import cache_dir, heldout_prompts
 from .corpus import heldout_chat_prompts
@@ -83,9 +84,11 @@ class BenchOptions:
             raise ValueError(f"bench: batch sizes must be >= 1, got {list(self.batches)}")
         if not self.temperatures or min(self.temperatures) < 0:
             raise ValueError(f"bench: temperatures must be >= 0, got {list(self.temperatures)}")
-        for name in ("target", "draft"):
-            if not getattr(self, name).is_dir():
-                raise FileNotFoundError(f"bench: {name} folder {getattr(self, name)} does not exist")
+        # A target is a folder or a GGUF file (the default pair's is); a draft is a folder.
+        if not (self.target.is_dir() or (is_gguf(self.target) and self.target.is_file())):
+            raise FileNotFoundError(f"bench: the target {self.target} is neither a checkpoint folder nor a GGUF file")
+        if not self.draft.is_dir():
+            raise FileNotFoundError(f"bench: draft folder {self.draft} does not exist")
         if self.gguf is not None:
             self.gguf = Path(self.gguf)
             if not self.gguf.is_file():
