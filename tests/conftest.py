@@ -97,19 +97,46 @@ def session_cache(_session_cache):
         yield _session_cache
 
 
+# The C++ ops' instruction sets, narrowest first. SPECENGINE_TEST_ISA limits the whole session
+# to one of them, as on a CPU without the wider ones (docs/tests.md); the tests that limit it
+# further still do, and those of a wider path are skipped.
+ISAS = ("portable", "avx2", "avx512", "amx")
+SESSION_ISA = os.environ.get("SPECENGINE_TEST_ISA", "amx")
+if SESSION_ISA not in ISAS:
+    raise pytest.UsageError(f"SPECENGINE_TEST_ISA must be one of {', '.join(ISAS)}, got {SESSION_ISA!r}")
+
+
+def pytest_configure(config):
+    if SESSION_ISA != "amx":
+        from specengine import _C
+
+        _C.set_cpu_isa_limit(SESSION_ISA)
+        if _C.cpu_isa() != SESSION_ISA:
+            raise pytest.UsageError(f"SPECENGINE_TEST_ISA={SESSION_ISA}: this CPU's widest is {_C.cpu_isa()}")
+
+
+def pytest_report_header(config):
+    from specengine import _C
+
+    return f"specengine C++ ops: {_C.cpu_isa()} (SPECENGINE_TEST_ISA={SESSION_ISA})"
+
+
 @contextmanager
 def cpu_isa_limit(isa: str):
     """Run specengine._C's ops with at most this instruction set ('amx', 'avx512', 'avx2',
-    'portable'), as on CPUs without the wider ones; a test of a path this CPU lacks is skipped."""
+    'portable'), as on CPUs without the wider ones; a test of a path this CPU lacks, or one wider
+    than the session's SPECENGINE_TEST_ISA, is skipped."""
     from specengine import _C
 
+    if ISAS.index(isa) > ISAS.index(SESSION_ISA):
+        pytest.skip(f"the session is limited to {SESSION_ISA} (SPECENGINE_TEST_ISA)")
     _C.set_cpu_isa_limit(isa)
     try:
         if _C.cpu_isa() != isa:
             pytest.skip(f"this CPU has no {isa}")
         yield
     finally:
-        _C.set_cpu_isa_limit("amx")
+        _C.set_cpu_isa_limit(SESSION_ISA)
 
 
 def portable_cpu_kernels(on: bool = True):

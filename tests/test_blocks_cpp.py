@@ -15,6 +15,7 @@ from specengine.ops.blocks_cpp import GEMM_ROWS, dequantize_rows_cpp, gemm_block
 from specengine.ops.decoder_layer import DecoderLayerWeights, decoder_layer
 from specengine.ops.norm import rms_norm
 
+from bounds import within_product_bound
 from conftest import cpu_isa_limit
 from gguf_util import random_k_blocks
 
@@ -319,16 +320,6 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
     return gemm_blocks_cpp(x, w, bias)
 
 
-def gemm_error_ok(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Within a sequential float32 sum's bound: |got - exact| <= (K + 2) 2^-24 (sum |x w| + |bias|),
-    exact and the bound in float64."""
-    exact = x.double() @ w.double().t()
-    magnitude = x.double().abs() @ w.double().abs().t()
-    if bias is not None:
-        exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
-    return bool(((got.double() - exact).abs() <= (x.shape[-1] + 2) * 2.0 ** -24 * magnitude).all())
-
-
 # K: one weight, none a multiple of the 16 lanes of a vector, SmolLM2's widths; N: one column, a
 # panel's tail (32 rows a panel), several panels, and a vocabulary's many panels split over threads.
 GEMM_SHAPES = [(33, 1, 3), (40, 17, 1), (64, 100, 49), (33, 576, 1536), (100, 1536, 37), (35, 45, 49157)]
@@ -342,15 +333,15 @@ def test_gemm_is_within_a_float32_sums_error(R, K, N, isa):
     with cpu_isa_limit(isa):
         for b in (bias, None):
             got = gemm(x, w, b)
-            assert got.shape == (R, N) and gemm_error_ok(got, x, w, b)
+            assert got.shape == (R, N) and within_product_bound(got, x, w, b)
 
 
 def test_a_dropped_tail_would_fail_the_error_test():
     """Planted: a product that skips the last K % 16 weights (a forgotten tail) breaks the bound."""
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(33, 100, generator=g), torch.randn(5, 100, generator=g)
-    assert gemm_error_ok(gemm(x, w), x, w, None)
-    assert not gemm_error_ok(gemm(x[:, :96].contiguous(), w[:, :96].contiguous()), x, w, None)
+    assert within_product_bound(gemm(x, w), x, w, None)
+    assert not within_product_bound(gemm(x[:, :96].contiguous(), w[:, :96].contiguous()), x, w, None)
 
 
 @pytest.mark.parametrize("isa", ISAS)

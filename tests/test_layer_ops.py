@@ -11,6 +11,7 @@ from specengine.ops.attention import apply_rope, attention_mask, cached_attentio
 from specengine.ops.decoder_layer import decoder_layer
 from specengine.ops.norm import rms_norm
 
+from bounds import Float64Llama, Tracked, assert_within, attention_error_bound, tracked_rope
 from conftest import ARCH_CASES, cpu_isa_limit, portable_cpu_kernels
 
 
@@ -32,6 +33,29 @@ def run(impl, case, kv_len, window=None):
     q, k, v, cos, sin, positions, cache_k, cache_v = (t.clone() for t in case)
     out = cached_attention(q, k, v, cos, sin, positions, cache_k, cache_v, kv_len, window, impl=impl)
     return out, cache_k, cache_v
+
+
+def check_attention(got, want, case, kv_len, window, answered=None):
+    """The C++ op's output and the torch reference's, each within its float32 error bound of the
+    exact attention (tests/bounds.py): rows that see a key (answered [B, T], default all)."""
+    exact, bound = attention_error_bound(*case[:4], case[4], case[5], kv_len, window, cache_k=case[6],
+                                         cache_v=case[7])
+    answered = torch.ones(got.shape[:2], dtype=torch.bool) if answered is None else answered
+    assert_within(got[answered], exact[answered], bound[answered], "C++")
+    assert_within(want[answered], exact[answered], bound[answered], "torch")
+
+
+def check_rotated_keys(got_k, want_k, case):
+    """The cache's k after the writes: C++ and torch within twice the rotary's float32 bound of each
+    other where a token wrote (the last one to write a slot, as both write), equal elsewhere."""
+    k, cos, sin, positions = case[1], case[3], case[4], case[5]
+    bound = torch.zeros(got_k.shape, dtype=torch.float64)
+    slot = positions.clamp(max=got_k.shape[1] - 1)
+    for b in range(k.shape[0]):
+        for t in range(k.shape[1]):
+            rotated = tracked_rope(Tracked(k[b, t].double()), cos[b, t].double(), sin[b, t].double(), 0.0)
+            bound[b, slot[b, t]] = 2 * rotated.e
+    assert_within(got_k, want_k, bound, "rotated keys")
 
 
 SHAPES = [  # B, T, H, Hkv, D, capacity, starts
@@ -63,11 +87,11 @@ def test_attention_matches_the_reference(B, T, H, Hkv, D, capacity, starts, wind
     visible = (seen <= positions[..., None]) & (window is None or seen > positions[..., None] - (window or 0))
     answered = visible.any(-1)  # [B, T]: only padding past kv_len can see no key (the reference gives NaN)
     assert got.shape == want.shape == (B, T, H * D)
-    torch.testing.assert_close(got[answered], want[answered], atol=2e-6, rtol=2e-5)
+    check_attention(got, want, case, kv_len, window, answered)
     assert torch.equal(got[~answered], torch.zeros_like(got[~answered]))
     # The cache writes: values copied, keys rotated (the same arithmetic up to fused multiply-adds).
     assert torch.equal(got_v, want_v)
-    torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=1e-6)
+    check_rotated_keys(got_k, want_k, case)
 
 
 def test_packed_projection_views_read_in_place():
@@ -279,7 +303,7 @@ def test_attention_is_accurate_on_hostile_shapes(D, group, T, start, window, isa
     want = run("reference", case, kv_len, window)[0]
     with cpu_isa_limit(isa):
         got = run("cpp", case, kv_len, window)[0]
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    check_attention(got, want, case, kv_len, window)
 
 
 def test_avx512_and_avx2_attention_agree_bit_for_bit():
@@ -342,6 +366,10 @@ def test_decoder_layer_matches_the_torch_ops(case, B, T, starts, isa, checkpoint
     the output and both cache writes (rows in use only; the spare row is untouched)."""
     model, layer, x, positions, cos, sin, cache, kv_len = layer_case(checkpoint, case, B, T, starts)
     attn = layer.self_attn
+    # The exact results on these bfloat16 weights (the float32 cos and sin as given) and their
+    # float32 bounds (tests/bounds.py): output, and layer 1's k and v after the writes.
+    (exact, exact_k, exact_v), (bound, bound_k, bound_v) = Float64Llama.from_specengine(model).layer(
+        1, x, positions, cos, sin, *cache.layer(1), kv_len)
     want_cache = model.new_cache(B, cache.capacity)
     want_cache.k.copy_(cache.k), want_cache.v.copy_(cache.v)
     step = StepInputs(positions, cos, sin, kv_len, impl="reference",
@@ -354,9 +382,11 @@ def test_decoder_layer_matches_the_torch_ops(case, B, T, starts, isa, checkpoint
             got = decoder_layer(x.clone(), layer.weights(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                 layer.input_layernorm.eps, cos, sin, positions, cache_k, cache_v, kv_len,
                                 attn.sliding_window)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.k, want_cache.k, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.v, want_cache.v, atol=1e-5, rtol=1e-5)
+    for name, result, cached in (("C++", got, cache), ("torch", want, want_cache)):
+        assert_within(result, exact, bound, name)
+        assert_within(cached.layer(1)[0], exact_k, bound_k, f"{name} keys")
+        assert_within(cached.layer(1)[1], exact_v, bound_v, f"{name} values")
+    assert torch.equal(cache.k[0], want_cache.k[0]) and torch.equal(cache.v[0], want_cache.v[0])  # layer 0's
 
 
 def test_decoder_layer_updates_x_in_place(checkpoint):

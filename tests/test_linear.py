@@ -5,6 +5,7 @@ import torch
 from specengine.models import load_model
 from specengine.ops.linear import linear_bf16_weight
 
+from bounds import AMX_TERMS, Float64Llama, assert_within, product_difference_bound, product_error_bound
 from conftest import ARCH_CASES, cpu_isa_limit
 
 # The C++ op's AVX-512 and AVX2/FMA tiles, and the plain loops of CPUs without either.
@@ -31,10 +32,9 @@ def test_matches_the_float32_reference(impl, R, K, N):
     x, weight, bias = operands(R, K, N, bias=N % 2 == 1)
     want = linear_bf16_weight(x, weight, bias, impl="reference")
     got = product(x, weight, bias, impl)
-    # Only the summation order differs: bound by K ulps of the sum of |terms|.
-    scale = (x.abs() @ weight.float().abs().t()) + (bias.abs() if bias is not None else 0)
+    # Only the summation order differs: two float32 sums, each within its error bound of the exact one.
     assert got.shape == want.shape == (R, N)
-    assert ((got - want).abs() <= K * 1.2e-7 * scale + 1e-30).all()
+    assert_within(got, want, product_difference_bound(x, weight, bias))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -177,9 +177,10 @@ def test_the_amx_op_matches_the_float32_reference(R, K, N):
     x, weight, bias = operands(R, K, N, bias=N % 2 == 1)
     got = amx_product(x, weight, bias)
     want = linear_bf16_weight(x, weight, bias, impl="reference")
-    scale = (x.abs() @ weight.float().abs().t()) + (bias.abs() if bias is not None else 0)
     assert got.shape == want.shape == (R, N)
-    assert ((got - want).abs() <= K * 1.2e-7 * scale + 1e-30).all()
+    # Each within its float32 bound of the exact product: x in three bfloat16 terms, and one sum.
+    assert_within(got, want, product_error_bound(x, weight, bias, terms=AMX_TERMS)
+                  + product_error_bound(x, weight, bias))
 
 
 def test_the_amx_op_is_exact_on_integer_operands():
@@ -231,11 +232,13 @@ def test_bfloat16_checkpoints_keep_bfloat16_matrices_and_match_transformers(case
     upcast = load_model(tmp_path, weight_dtype="float32")
     assert upcast.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
     tokens = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
+    # Each float32 forward within its error bound of the exact logits of these weights (tests/bounds.py).
+    exact = Float64Llama.from_transformers(hf).logits(tokens[0].tolist())
     with torch.no_grad():
-        want = hf(tokens).logits
+        exact.check(hf(tokens).logits[0], "transformers")
         for model in (ours, upcast):
             got = model.logits(model(tokens, torch.zeros(1, dtype=torch.int64), model.new_cache(1, 16)))
-            torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+            exact.check(got[0], model.model.layers[0].mlp.gate_up_proj.weight.dtype)
 
 
 def test_weight_dtype_combinations_that_are_not_supported_are_named(checkpoint):

@@ -9,14 +9,16 @@ from specengine.models import llama
 from specengine.models.llama import Attention
 from specengine.ops import attention
 
+from bounds import AMX_TERMS, Float64Llama
 from conftest import ARCH_CASES, cpu_isa_limit
 
-ATOL = 2e-5
 # Our float32 CPU forward runs specengine._C's fused layer ops: each whole decoder layer in one
 # call where the matrices are stored in bfloat16 (a bfloat16 checkpoint), else one call per op.
 # The torch ops are the path of every other device and dtype, and the reference of those ops.
 # The Triton step kernels (the CUDA path) run here in Triton's interpreter.
-# All must match transformers (which computes the bfloat16 checkpoints upcast to float32).
+# All must match transformers (which computes the bfloat16 checkpoints upcast to float32): each
+# float32 forward, transformers' too, within its error bound of the exact logits of the same
+# weights (tests/bounds.py), whatever the CPU and instruction-set path.
 LAYER_OPS = pytest.mark.parametrize("layer_ops", ["whole-layer", "cpp-ops", "torch-ops", "triton"])
 BACKENDS = {"whole-layer": "cpp-layers", "cpp-ops": "cpp-ops", "torch-ops": "torch", "triton": "triton"}
 
@@ -52,6 +54,25 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0].float()
 
 
+_EXACT: dict[str, Float64Llama] = {}
+
+
+def exact_forward(hf) -> Float64Llama:
+    """The exact forward of transformers' model's weights (tests/bounds.py), one per checkpoint."""
+    folder = hf.config._name_or_path
+    if folder not in _EXACT:
+        _EXACT[folder] = Float64Llama.from_transformers(hf)
+    return _EXACT[folder]
+
+
+def exact_logits(hf, tokens: list[int], terms: int = 1):
+    """The exact logits of transformers' model on tokens and their float32 bound (bounds.Logits),
+    transformers' own float32 forward checked against them."""
+    exact = exact_forward(hf).logits(tokens, terms)
+    exact.check(hf_logits(hf, tokens), "transformers")
+    return exact
+
+
 @pytest.fixture(scope="module")
 def sequences():
     g = torch.Generator().manual_seed(0)
@@ -70,7 +91,7 @@ def test_prefill_matches_transformers_on_ragged_batch(case, layer_ops, checkpoin
     with torch.no_grad():
         logits = ours.logits(ours(tokens, torch.zeros(B, dtype=torch.int64), cache))
     for b, s in enumerate(sequences):
-        torch.testing.assert_close(logits[b, : len(s)], hf_logits(hf, s), atol=ATOL, rtol=0)
+        exact_logits(hf, s).check(logits[b, : len(s)], f"row {b}")
 
 
 @pytest.mark.parametrize("isa", ["amx", "avx512"])
@@ -98,7 +119,10 @@ def test_a_prefill_of_many_rows_takes_gemms_and_matches_transformers(case, isa, 
     assert calls["few-row"] == 0
     assert (calls["amx"] > 0, calls["widened"] > 0) == (isa == "amx", isa != "amx")
     hf = AutoModelForCausalLM.from_pretrained(checkpoint(case, torch.bfloat16), dtype=torch.float32).eval()
-    torch.testing.assert_close(logits[0], hf_logits(hf, sequence), atol=ATOL, rtol=0)
+    # AMX tiles sum x in three bfloat16 terms: three times the products' terms (tests/bounds.py).
+    exact = exact_forward(hf).logits(sequence, AMX_TERMS if isa == "amx" else 1)
+    exact.check(logits[0])
+    exact.check(hf_logits(hf, sequence), "transformers")
 
 
 @LAYER_OPS
@@ -107,6 +131,7 @@ def test_step_by_step_decoding_with_rollback_matches_transformers(case, layer_op
     """Rows of different lengths decode one token, then a 3-token chunk, then roll back and
     re-decode other tokens over the stale cache entries: every logit equals a fresh HF forward."""
     hf, ours = load(case, layer_ops, checkpoint, monkeypatch)
+    reference = exact_forward(hf)
     prefixes = [s[:-4] for s in sequences]
     cache = ours.new_cache(len(sequences), 32)
     with torch.no_grad():
@@ -117,7 +142,7 @@ def test_step_by_step_decoding_with_rollback_matches_transformers(case, layer_op
             cache.lengths.add_(1)
             for b, (s, p) in enumerate(zip(sequences, prefixes)):
                 n = len(p) + step + 1
-                torch.testing.assert_close(logits[b, 0], hf_logits(hf, s[:n])[-1], atol=ATOL, rtol=0)
+                reference.logits(s)[n - 1].check(logits[b, 0], f"row {b}, token {n}")
         # A verify-like chunk of 2 tokens, all rejected: the cache keeps stale entries past each
         # row's length (inside the longest row's attention span); then feed other tokens.
         chunk = torch.tensor([s[len(p) + 2: len(p) + 4] for s, p in zip(sequences, prefixes)])
@@ -126,7 +151,8 @@ def test_step_by_step_decoding_with_rollback_matches_transformers(case, layer_op
         logits = ours.logits(ours(replacement, cache.lengths.clone(), cache))
         for b, (s, p) in enumerate(zip(sequences, prefixes)):
             seq = s[: len(p) + 2] + [int(replacement[b, 0])]
-            torch.testing.assert_close(logits[b, 0], hf_logits(hf, seq)[-1], atol=ATOL, rtol=0)
+            reference.logits(seq)[-1].check(logits[b, 0], f"row {b} after the rollback")
+            reference.logits(seq)[-1].check(hf_logits(hf, seq)[-1], "transformers")
 
 
 def test_bfloat16_load_runs_close_to_float32(checkpoint, sequences):
@@ -182,7 +208,9 @@ def test_whole_layer_weights_follow_replaced_and_cast_parameters(checkpoint):
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
     assert model.whole_layer_weights() is None  # float32 matrices: the per-op path
     assert model.backend.name == "cpp-ops"  # chosen again by the cast
-    torch.testing.assert_close(logits(model), logits(fresh), atol=2e-5, rtol=0)
+    exact = Float64Llama.from_specengine(fresh).logits(tokens[0].tolist())  # both within the bound of it
+    exact.check(logits(model)[0], "cast")
+    exact.check(logits(fresh)[0], "whole layers")
 
 
 def test_the_backend_is_chosen_at_load_and_checked(checkpoint, monkeypatch):

@@ -208,6 +208,7 @@ def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(che
     from specengine import Engine, SamplingParams
     from specengine.drafters.model import ModelDrafter
 
+    from bounds import Float64Llama, assert_tokens_agree
     from engine_util import assert_kernels_ran, tiny_model
 
     V = 40
@@ -216,8 +217,11 @@ def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(che
                                                                                       (8, 0.8, 3)]]
     tokens = {}
     for kernels in (False, True):
-        target = tiny_model(V, seed=0, logit_scale=3.0, max_positions=64, head_dim=head_dim).to(DEVICE)
-        draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0, max_positions=64, head_dim=head_dim).to(DEVICE)
+        target = tiny_model(V, seed=0, logit_scale=3.0, max_positions=64, head_dim=head_dim)
+        draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0, max_positions=64, head_dim=head_dim)
+        if not kernels:  # the exact forwards of these weights, for the comparison below
+            exact = Float64Llama.from_specengine(target), Float64Llama.from_specengine(draft)
+        target, draft = target.to(DEVICE), draft.to(DEVICE)
         for model in (target, draft):
             model.use_backend("triton" if kernels else "torch")
         engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=2, cuda_graphs=True, max_batch_size=4,
@@ -225,4 +229,7 @@ def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(che
         tokens[kernels] = [r.token_ids for r in engine.generate(prompts, params)]
         if kernels:  # (the torch run's backend is "torch" by choice)
             assert_kernels_ran(target, draft)
-    assert tokens[True] == tokens[False]
+    # Two arithmetics: the same tokens up to a near tie of the exact logits (greedy) or a seeded
+    # decision within the float32 bound of its threshold, where they may rightly part (tests/bounds.py).
+    for prompt, p, got, want in zip(prompts, params, tokens[True], tokens[False]):
+        assert_tokens_agree(got, want, prompt, p, *exact)

@@ -16,6 +16,7 @@ from specengine.models.config import ModelConfig
 from specengine.models.llama import LlamaForCausalLM
 from specengine.models.loader import load_model
 
+from bounds import Float64Llama, assert_tokens_agree
 from tp_cases import GENERATIONS, logit_trace, serve_with_aborts
 
 # Every architecture whose KV heads split in two (llama-linear-rope has one: the error case).
@@ -71,26 +72,55 @@ def ranks(models, text_pair, tmp_path_factory):
             for r in range(WORLD)]
 
 
+def reference(folder) -> Float64Llama:
+    """The exact forward of a checkpoint's weights, with float32 bounds (tests/bounds.py)."""
+    from transformers import AutoModelForCausalLM
+
+    return Float64Llama.from_transformers(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+
+
+def exact_trace(exact: Float64Llama, sequences: list[list[int]]):
+    """logit_trace's logits, exact and bounded: [B, T, V] bounds.Logits of each of its five steps."""
+    from bounds import Logits
+
+    prefixes = [s[:-4] for s in sequences]
+    width = max(map(len, prefixes))
+    rows = [[exact.logits(p + [0] * (width - len(p))) for p in prefixes],  # the padded prefill
+            *[[exact.logits(s[:len(p) + step + 1])[-1:] for s, p in zip(sequences, prefixes)] for step in range(2)],
+            [exact.logits(s[:len(p) + 4])[-2:] for s, p in zip(sequences, prefixes)],  # the chunk
+            [exact.logits(s[:len(p) + 2] + [(s[len(p) + 2] + 7) % exact.lm_head.shape[0]])[-1:]
+             for s, p in zip(sequences, prefixes)]]  # the replacement over the rolled-back chunk
+    return [Logits(torch.stack([r.exact for r in step]), torch.stack([r.bound for r in step])) for step in rows]
+
+
 @pytest.mark.parametrize("case", ARCHS + ["llama3-rope-gqa-bf16", "qwen2-gguf"])
 def test_split_logits_equal_one_process_and_every_rank_alike(case, models, ranks):
+    """Split products sum their parts across the ranks: another order of float32 sums, so the split
+    logits and one process's are each within the float32 bound of the exact ones."""
     single = logit_trace(load_model(models[case]), SEQUENCES)
+    exact = exact_trace(reference(models["qwen2-qkv-bias" if case == "qwen2-gguf" else case]), SEQUENCES)
     for i, want in enumerate(single):
         got = [logits[f"{case}/{i}"] for _, logits in ranks]
-        torch.testing.assert_close(got[0], want, atol=1e-5, rtol=0)
+        exact[i].check(want, f"one process, step {i}")
+        exact[i].check(got[0], f"two ranks, step {i}")
         assert all(torch.equal(g, got[0]) for g in got[1:]), "the ranks' logits differ"
 
 
 def test_generations_equal_one_process(text_pair, ranks):
+    """The ranks' tokens are one process's: greedy ones up to a near tie of the exact logits,
+    seeded ones up to a decision within the float32 bound of its threshold (tests/bounds.py:
+    the split sums round otherwise), where they may rightly part."""
     reports = [report["generations"] for report, _ in ranks]
     assert all(r == reports[0] for r in reports[1:]), "the ranks emitted different tokens"
+    target, draft = map(reference, text_pair)
     for name, (gamma, params) in GENERATIONS.items():
         engine = Engine.from_pretrained(*text_pair, gamma=gamma)
         single = [r.token_ids for r in engine.generate(PROMPTS, [SamplingParams(**p) for p in params])]
+        got = reports[0][name]
         if gamma == "auto":  # each process chose its own gammas: only greedy rows must agree
-            single, got = single[:1], reports[0][name][:1]
-        else:
-            got = reports[0][name]
-        assert got == single, name
+            single, got = single[:1], got[:1]
+        for prompt, p, a, b in zip(PROMPTS, params, got, single):
+            assert_tokens_agree(a, b, prompt, SamplingParams(**p), target, draft)
 
 
 def test_aborts_and_joins_on_a_split_target_equal_one_process(text_pair, ranks):
@@ -99,8 +129,15 @@ def test_aborts_and_joins_on_a_split_target_equal_one_process(text_pair, ranks):
     reports = [report["serving"] for report, _ in ranks]
     assert all(r == reports[0] for r in reports[1:]), "the ranks emitted different tokens"
     single = serve_with_aborts(Engine.from_pretrained(*text_pair, gamma=3), PROMPTS)
-    assert reports[0] == single and set(single) == {"r0", "r1", "r2", "late", "dropped"}
-    assert single["dropped"] == [] and len(single["late"]) == 10 and len(single["r1"]) == 10
+    assert set(reports[0]) == set(single) == {"r0", "r1", "r2", "late", "dropped"}
+    assert single["dropped"] == reports[0]["dropped"] == [] and len(single["late"]) == 10 and len(single["r1"]) == 10
+    # serve_with_aborts' requests: r<i> with seed 11 + i, then "late" (prompt 0, seed 11 + len(PROMPTS))
+    target, draft = map(reference, text_pair)
+    requests = {f"r{i}": (prompt, 11 + i) for i, prompt in enumerate(PROMPTS)}
+    requests["late"] = (PROMPTS[0], 11 + len(PROMPTS))
+    for request_id, (prompt, seed) in requests.items():
+        params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=seed)
+        assert_tokens_agree(reports[0][request_id], single[request_id], prompt, params, target, draft)
 
 
 @pytest.mark.parametrize("case", ARCHS)

@@ -23,6 +23,10 @@ from tp_cases import GENERATIONS, logit_trace, serve_with_aborts  # noqa: E402
 
 
 def main(spec_path: str, out_dir: str):
+    if os.environ.get("SPECENGINE_TEST_ISA"):  # the test session's limit (tests/conftest.py)
+        from specengine import _C
+
+        _C.set_cpu_isa_limit(os.environ["SPECENGINE_TEST_ISA"])
     spec = json.loads(Path(spec_path).read_text())
     tp, device = init_tensor_parallel(int(os.environ["WORLD_SIZE"]), "cpu")
     logits, report = {}, {"parameter_bytes": {}, "generations": {}}
