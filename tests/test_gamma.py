@@ -8,7 +8,7 @@ import torch
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.engine import costs as costs_module
-from specengine.engine.costs import measure_costs
+from specengine.engine.costs import measure_costs, timed_widths
 from specengine.engine.gamma import (AcceptanceEstimate, CostModel, GammaController, expected_ops_ratio,
                                      expected_tokens, predicted_speedup)
 
@@ -184,6 +184,48 @@ def test_the_wait_for_a_probe_runs_on_per_batch_size():
         AcceptanceEstimate(batch_key=0)
 
 
+def test_a_requests_own_tests_move_its_prior():
+    """prior_tests: how many tests the prior alpha stands for; the request's own tests, never
+    forgotten, join them. Its window still fades through rounds at gamma 0, to that prior."""
+    fixed = AcceptanceEstimate(prior_alpha=0.8)
+    fixed.update(0, 10)
+    assert fixed.prior == 0.8  # prior_tests inf: a fixed prior
+    moving = AcceptanceEstimate(prior_alpha=0.8, prior_tests=90, prior_weight=5.0)
+    moving.update(2, 8)
+    assert (moving.own_accepted, moving.own_tested) == (2, 10)
+    assert moving.prior == pytest.approx((0.8 * 90 + 2) / 100)
+    for _ in range(300):  # rounds at gamma 0 test nothing
+        moving.update(0, 0)
+    assert moving.alpha == pytest.approx(moving.prior, abs=1e-6) and moving.own_tested == 10
+    assert GammaController(CostModel(0.001, (0.005,) * 9)).new_estimate().prior_tests == 2.0  # alpha 0.5 of two tests
+
+
+def test_a_fresh_engines_first_request_backs_off_a_useless_draft():
+    """Behind a fresh engine's first request stand two pseudo-tests (alpha 0.5). With a prior fixed
+    there, each stretch at gamma 0 fades a useless draft's estimate back to 0.5, and the request
+    drafts again every ~8 rounds, never reaching the probes' back-off (every run of the command
+    line is a first request). Its own rejections outweigh the two tests: it probes, ever more
+    rarely. (Costs: the default pair's at batch 1 on a 2-core CPU.)"""
+    costs = CostModel(0.00085, (0.0100, 0.0127, 0.0140, 0.0170, 0.0237, 0.0250, 0.0270, 0.0290, 0.0330))
+
+    def drafting_rounds(estimate):
+        controller = GammaController(costs)
+        choices = []
+        for _ in range(600):
+            choices.append(controller.choose([estimate]))
+            estimate.update(0, int(choices[-1] > 0))  # every draft rejected
+        return probe_rounds(choices)
+
+    first = GammaController(costs).new_estimate(greedy=True)
+    assert first.prior_alpha == 0.5 and first.prior_tests == 2.0
+    interval = GammaController(costs).probe_interval(1)  # 18 rounds: a probe costs 0.36 of a round
+    assert interval == 18
+    # after its first round, rounds at gamma 0 but for probes, every wait for one twice the last
+    assert drafting_rounds(first) == [0] + [interval * ((2 << i) - 1) for i in range(5)]
+    fixed_prior = AcceptanceEstimate(prior_alpha=0.5, prior_weight=GammaController.PRIOR_WEIGHT)
+    assert len(drafting_rounds(fixed_prior)) > 60  # every 8 rounds
+
+
 def test_acceptance_estimate_rejects_bad_fields():
     with pytest.raises(ValueError, match="prior_alpha must be in"):
         AcceptanceEstimate(prior_alpha=1.5)
@@ -193,6 +235,10 @@ def test_acceptance_estimate_rejects_bad_fields():
         AcceptanceEstimate(accepted=-1.0)
     with pytest.raises(ValueError, match="needs a prior_weight or some tested drafts"):
         AcceptanceEstimate(prior_weight=0.0)
+    with pytest.raises(ValueError, match="prior_tests must be positive"):
+        AcceptanceEstimate(prior_tests=0.0)
+    with pytest.raises(ValueError, match="non-negative"):
+        AcceptanceEstimate(own_accepted=3.0, own_tested=2.0)
     assert AcceptanceEstimate(accepted=3.0, rejected=1.0, prior_weight=0.0).alpha == 0.75
 
 
@@ -307,14 +353,18 @@ def test_greedy_and_sampled_requests_keep_their_own_prior_and_wait():
 
 
 def test_auto_gamma_measures_costs_when_none_are_given():
+    """Each batch size's costs when first needed (tests/test_auto_gamma_defaults.py: when a batch
+    first needs them): batch 1's for a request alone, batch 8's for more rows."""
     target = tiny_model(32, seed=0)
     engine = Engine(target, drafter=ModelDrafter(tiny_model(32, seed=1, num_layers=1), 32, 32), gamma="auto",
                     max_gamma=3)
     controller = engine.gamma_controller
     assert sorted(controller.costs_by_batch) == [1, 8] and controller.max_gamma == 3
+    assert controller.costs_by_batch.measured == ()
+    assert controller.costs_for(1) is controller.costs_by_batch[1] and controller.costs_by_batch.measured == (1,)
+    assert controller.costs_for(64) is controller.costs_by_batch[8]
     for costs in controller.costs_by_batch.values():
         assert costs.draft_step_s > 0 and all(t > 0 for t in costs.verify_s)
-    assert controller.costs_for(64) is controller.costs_by_batch[8]
 
 
 class _ClockedModel:
@@ -362,6 +412,43 @@ def test_measured_costs_are_steps_back_to_back_and_survive_a_slow_stretch(monkey
     costs = measure_costs(target, draft, max_gamma=3)
     assert costs.verify_s == pytest.approx((0.004, 0.008, 0.012, 0.016))
     assert costs.draft_step_s == pytest.approx(0.001)
+
+
+class _WidthsModel(_ClockedModel):
+    """A _ClockedModel that notes the widths (tokens per row) it is called on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.widths = set()
+
+    def __call__(self, x, lengths, cache, kv_len):
+        self.widths.add(x.shape[1])
+        return super().__call__(x, lengths, cache, kv_len)
+
+
+def test_measured_costs_time_a_few_widths_and_interpolate_the_others(monkeypatch):
+    """A target call's cost on a CPU grows with its tokens (here exactly 4 ms a token): the widths
+    timed give the others by interpolation, and the others are never called."""
+    clock = _FakeClock(range(0))
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock.now)
+    target = _WidthsModel(clock, "target", token_s=0.004)
+    costs = measure_costs(target, _ClockedModel(clock, "draft", token_s=0.001), max_gamma=8, widths=timed_widths(8))
+    assert target.widths == set(timed_widths(8)) == {1, 2, 3, 4, 5, 9}
+    assert costs.verify_s == pytest.approx(tuple(0.004 * k for k in range(1, 10)))
+    everything = _WidthsModel(clock, "target", token_s=0.004)
+    assert measure_costs(everything, None, max_gamma=8).verify_s == pytest.approx(costs.verify_s)
+    assert everything.widths == set(range(1, 10))  # by default every width
+    for widths in ((2, 9), (1, 2, 8), (1, 10)):
+        with pytest.raises(ValueError, match="widths must run from 1 to max_gamma"):
+            measure_costs(target, None, max_gamma=8, widths=widths)
+
+
+@pytest.mark.parametrize("max_gamma", [1, 2, 3, 4, 5, 8, 9, 16, 64])
+def test_timed_widths_span_every_verification(max_gamma):
+    widths = timed_widths(max_gamma)
+    assert widths == tuple(sorted(set(widths))) and widths[0] == 1 and widths[-1] == max_gamma + 1
+    assert set(widths) >= set(range(1, min(6, max_gamma + 2)))
+    assert max(b - a for a, b in zip(widths, widths[1:])) <= 4  # no long stretch interpolated
 
 
 def test_costs_between_measured_batch_sizes_are_interpolated():

@@ -14,9 +14,10 @@ def _positive_int(value) -> bool:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """gamma: draft tokens per round, or "auto" to choose it every round (up to max_gamma, one
-    value for the batch) from costs measured on this machine and each request's running
-    acceptance rate. Without a drafter every round is target-only and gamma is not used.
+    """gamma: "auto" (default) to choose the draft tokens of every round (up to max_gamma, one
+    value for the batch; 0, target-only decoding, where drafting does not pay) from step costs
+    measured on this machine and each request's running acceptance rate, or a fixed number of
+    draft tokens per round. Without a drafter every round is target-only and gamma is not used.
     max_seq_len: the context a request may fill (default: the target's).
     eos_token_ids: tokens that end a request (default: the target config's, else the tokenizer's).
     verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch).
@@ -37,7 +38,7 @@ class EngineConfig:
     model's keys and values of prompts' blocks of 64 tokens for later requests starting alike
     (engine.prefix_cache; decoder-only targets): "auto" (512 MiB on a CPU, a tenth of a GPU's
     memory) or bytes (0: off). Tokens are the same either way."""
-    gamma: int | str = 5
+    gamma: int | str = "auto"
     max_gamma: int = 8
     max_seq_len: int | None = None
     eos_token_ids: tuple[int, ...] | None = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -32,8 +32,8 @@ from ..sampling.batch import InvalidLogitsError
 from ..sampling.params import SamplingParams
 from .batch import RunningBatch
 from .config import EngineConfig
-from .costs import measure_costs
-from .gamma import CostModel, GammaController
+from .costs import CostStore, OtherLoad, measure_costs, timed_widths
+from .gamma import CostModel, CostTable, GammaController
 from ..steps.graphs import FixedShapeSteps
 from .intake import Intake, Prompt
 from .outputs import Outputs
@@ -54,10 +54,13 @@ class Engine:
 
     def __init__(self, target: Model, tokenizer=None, drafter: Drafter | None = None,
                  config: EngineConfig | None = None, *, costs: CostModel | dict[int, CostModel] | None = None,
-                 **options):
+                 sources: Mapping[str, object] | None = None, **options):
         """config: an EngineConfig, or its fields as keyword options (Engine(target, gamma=3)).
         costs: with gamma="auto", the step costs to choose gamma from (by batch size); measured on
-        this machine, on the path the rounds take, when first needed otherwise."""
+        this machine, on the path the rounds take, when first needed otherwise.
+        sources: what the models were loaded from (Engine.from_pretrained gives it: the target's
+        and the draft's paths, the drafter, the dtypes); with it, measured costs are kept in the
+        cache folder and reused by the next engine of the same models on this machine (CostStore)."""
         if config is None:
             config = EngineConfig(**options)
         elif options:
@@ -110,6 +113,11 @@ class Engine:
                                                 self.prefix_cache), config.max_batch_size)
         self.outputs = Outputs(tokenizer, self.eos_token_ids, self.max_seq_len)
         self._costs = costs
+        # Ranks of a split target time their calls together (collectives): a store read by one
+        # rank and missed by another would leave the other waiting, so they always measure.
+        self._cost_store = (CostStore.for_models(sources, config.max_gamma, target.device, config.cuda_graphs)
+                            if self.auto_gamma and costs is None and sources is not None and target.tp is None
+                            else None)
         self._gamma_controller: GammaController | None = None
         if self.auto_gamma and costs is not None:
             self._gamma_controller = self._make_gamma_controller()  # given costs: checked now
@@ -151,11 +159,12 @@ class Engine:
         config = EngineConfig(**options)  # checked before anything loads
         target_model, tokenizer, chosen = load_models(target, draft, drafter, device, dtype, weight_dtype,
                                                       tensor_parallel, suffix_max_global_tokens)
-        return cls(target_model, tokenizer, chosen, config)
+        sources = dict(target=target, draft=draft, drafter=drafter, dtype=dtype, weight_dtype=weight_dtype)
+        return cls(target_model, tokenizer, chosen, config, sources=sources)
 
     @property
     def gamma_controller(self) -> GammaController | None:
-        """With gamma="auto", what chooses each round's gamma (its costs measured on first use)."""
+        """With gamma="auto", what chooses each round's gamma (its costs measured when first needed)."""
         if self.auto_gamma and self._gamma_controller is None:
             self._gamma_controller = self._make_gamma_controller()
         return self._gamma_controller
@@ -164,25 +173,43 @@ class Engine:
         max_gamma = self.config.max_gamma
         costs = self._costs
         if costs is None:
-            # Measured on the path the rounds take (replayed graphs with cuda_graphs). Verification
-            # costs grow with the batch on a CPU: measure a single row and a batch of 8 (or fewer).
-            draft_model = self.drafter.model
-            draft_steps = self.drafter.steps
-            batches = sorted({1, min(8, self.max_batch_size or 8)})
-            if self.scheduler.batch.rows_held:
-                raise RuntimeError("costs are measured before the first request runs")
-            log.info("gamma='auto': measuring draft and verify costs at batch sizes %s", batches)
-            with torch.inference_mode():
-                costs = {b: measure_costs(self.target, draft_model, max_gamma, batch_size=b,
-                                          target_steps=self.target_steps, draft_steps=draft_steps) for b in batches}
-            # Timing filled the persistent caches' rows: empty them for the requests.
-            for steps in (self.target_steps, draft_steps):
-                if steps is not None:
-                    steps.new_batch(0)
+            # Verification costs grow with the batch on a CPU: a single row's and a batch of 8's
+            # (or fewer), each measured when a batch first needs it.
+            costs = CostTable(max_gamma, sorted({1, min(8, self.max_batch_size or 8)}), self._measure_costs)
+            if self.target_steps is not None:
+                # Fixed-shape steps are timed on the persistent caches the requests use: every size
+                # now, before any request holds a row (and every width: this also captures their graphs).
+                if self.scheduler.batch.rows_held:
+                    raise RuntimeError("costs are measured before the first request runs")
+                costs.cover(max(costs.batch_sizes))
+                for steps in (self.target_steps, self.drafter.steps):
+                    if steps is not None:
+                        steps.new_batch(0)  # timing filled their rows: empty them for the requests
         controller = GammaController(costs)
         if controller.max_gamma != max_gamma:
             raise ValueError(f"costs cover gamma up to {controller.max_gamma}, not max_gamma={max_gamma}")
         return controller
+
+    def _measure_costs(self, batch_size: int) -> CostModel:
+        """The step costs at this batch size: kept from an earlier process, else measured on the
+        path the rounds take (replayed graphs with cuda_graphs)."""
+        store = self._cost_store
+        stored = store.load(batch_size) if store is not None else None
+        if stored is not None:
+            log.info("gamma='auto': step costs at batch size %d from %s", batch_size, store.path)
+            return stored
+        start, load = time.perf_counter(), OtherLoad()
+        # On the eager path a few widths are timed and the rest interpolated (timed_widths);
+        # fixed-shape steps time every width, which also captures each one's graph ahead of the rounds.
+        widths = None if self.target_steps is not None else timed_widths(self.config.max_gamma)
+        with torch.inference_mode():
+            costs = measure_costs(self.target, self.drafter.model, self.config.max_gamma, batch_size=batch_size,
+                                  target_steps=self.target_steps, draft_steps=self.drafter.steps, widths=widths)
+        seconds = time.perf_counter() - start
+        log.info("gamma='auto': measured draft and verify costs at batch size %d in %.2f s", batch_size, seconds)
+        if store is not None:
+            store.save(batch_size, costs, seconds, load.cores())
+        return costs
 
     # ---- serving: requests that join and leave a running batch ------------------------------
 
@@ -237,6 +264,9 @@ class Engine:
         controller = self.gamma_controller
         if controller is not None:
             rows = scheduler.batch.rows_held + len(joining)
+            # Costs not measured yet for batches this large are measured now, not in a round,
+            # whose timing would teach the controller a measurement as its overhead.
+            controller.costs_by_batch.cover(rows)
             for r in joining:
                 r.acceptance = controller.new_estimate(rows, greedy=r.params.temperature == 0)
         budget = self.prefill_budget.next(decoding=bool(scheduler.running))

@@ -10,13 +10,15 @@ CPU) and a smoothed estimate of alpha per request. g = 0 is plain target-only de
 useless draft costs only the occasional probe that keeps the estimates of alpha alive, and the
 decision itself.
 
-This module is the policy only; engine/costs.py measures the step costs it decides from. What the
-policy's parts were measured to gain or cost is in bench/results/gamma-policy-2026-11-29-to-12-01.md.
+This module is the policy only; engine/costs.py measures the step costs it decides from (CostTable
+asks it for a batch size's costs when they are first needed). What the policy's parts were measured
+to gain or cost is in bench/results/gamma-policy-2026-11-29-to-12-01.md.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -94,18 +96,85 @@ class CostModel:
         return rates.index(max(rates))
 
 
+class CostTable(Mapping[int, CostModel]):
+    """CostModels by batch size, for the batch sizes it plans: given, or obtained from
+    measure(batch_size) the first time a size is looked up. Measuring takes seconds on a CPU, most
+    of them at the larger batch size, which a request decoding alone never needs; so a size is
+    measured when a batch first needs it (see cover)."""
+
+    def __init__(self, max_gamma: int, batch_sizes: Sequence[int],
+                 measure: Callable[[int], CostModel] | None = None, given: Mapping[int, CostModel] | None = None):
+        given = dict(given or {})
+        self.max_gamma = max_gamma
+        self.batch_sizes = tuple(sorted(set(batch_sizes) | set(given)))
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"a cost table needs batch sizes >= 1, got {self.batch_sizes}")
+        if measure is None and set(given) != set(self.batch_sizes):
+            raise ValueError("a cost table without a way to measure needs the costs of every batch size")
+        self._measure = measure
+        self._costs: dict[int, CostModel] = {}
+        self.seconds: dict[int, float] = {}  # by batch size: the time it took to obtain its costs
+        for batch_size, costs in given.items():
+            self._keep(batch_size, costs)
+
+    @classmethod
+    def of(cls, costs: CostModel | Mapping[int, CostModel]) -> "CostTable":
+        """A table of given costs (one CostModel: batch size 1's)."""
+        given = costs if isinstance(costs, Mapping) else {1: costs}
+        if not given:
+            raise ValueError("a cost table needs the costs of at least one batch size")
+        return cls(next(iter(given.values())).max_gamma, list(given), given=given)
+
+    def _keep(self, batch_size: int, costs: CostModel):
+        if costs.max_gamma != self.max_gamma:
+            raise ValueError(f"cost models must cover the same gammas: batch size {batch_size}'s cover gamma up to "
+                             f"{costs.max_gamma}, not {self.max_gamma}")
+        self._costs[batch_size] = costs
+
+    def __getitem__(self, batch_size: int) -> CostModel:
+        if batch_size not in self._costs:
+            if batch_size not in self.batch_sizes:
+                raise KeyError(batch_size)
+            start = time.perf_counter()
+            self._keep(batch_size, self._measure(batch_size))
+            self.seconds[batch_size] = time.perf_counter() - start
+        return self._costs[batch_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.batch_sizes)
+
+    def __len__(self) -> int:
+        return len(self.batch_sizes)
+
+    @property
+    def measured(self) -> tuple[int, ...]:
+        """The batch sizes whose costs it holds so far."""
+        return tuple(sorted(self._costs))
+
+    def cover(self, batch_size: int):
+        """Obtain now the costs that pricing a batch of up to batch_size rows needs: every planned size
+        up to it and the next above (GammaController.costs_for interpolates between the two around a size)."""
+        above = [b for b in self.batch_sizes if b >= batch_size]
+        for b in self.batch_sizes:
+            if b <= batch_size or (above and b == above[0]):
+                self[b]
+
+
 @dataclass
 class AcceptanceEstimate:
     """A request's alpha: its accepted / tested drafts with exponential forgetting, shrunk towards
-    prior_alpha (the finished requests') by prior_weight tests that are never forgotten, so that
-    through rounds at gamma 0 it drifts back to prior_alpha. Its own window (the last ~10 rounds)
-    holds too few tests to tell nearby alphas apart, and alone their noise chooses too short a
-    gamma; the prior steadies it."""
+    its prior (the finished requests' alpha, moved by all of the request's own tests: see prior) by
+    prior_weight tests that are never forgotten, so that through rounds at gamma 0 it drifts back
+    to the prior. Its own window (the last ~10 rounds) holds too few tests to tell nearby alphas
+    apart, and alone their noise chooses too short a gamma; the prior steadies it."""
 
     accepted: float = 0.0
     rejected: float = 0.0
-    prior_alpha: float = 0.5  # before any evidence
+    prior_alpha: float = 0.5  # before any evidence: the finished requests' alpha
     prior_weight: float = 2.0
+    prior_tests: float = math.inf  # the tests prior_alpha stands for (inf: a fixed prior)
+    own_accepted: float = 0.0   # the request's tested drafts, never forgotten: accepted ...
+    own_tested: float = 0.0     # ... and in all
     decay: float = 0.9      # per round (update): the last ~10 rounds dominate
     rounds_without_drafts: int = 0
     last_gamma: int = 0     # the gamma of this request's last round
@@ -117,8 +186,11 @@ class AcceptanceEstimate:
     def __post_init__(self):
         if not 0.0 <= self.prior_alpha <= 1.0:
             raise ValueError(f"prior_alpha must be in [0, 1], got {self.prior_alpha}")
-        if min(self.prior_weight, self.accepted, self.rejected) < 0:
+        counts = (self.prior_weight, self.accepted, self.rejected, self.own_accepted)
+        if min(counts) < 0 or self.own_tested < self.own_accepted:
             raise ValueError(f"prior_weight and the counts must be non-negative, got {self}")
+        if not self.prior_tests > 0:
+            raise ValueError(f"prior_tests must be positive (inf: a fixed prior), got {self.prior_tests}")
         if self.prior_weight + self.accepted + self.rejected == 0:
             raise ValueError("an estimate needs a prior_weight or some tested drafts")
         if not 0.0 < self.decay <= 1.0:
@@ -127,14 +199,29 @@ class AcceptanceEstimate:
             raise ValueError(f"batch_key must be a batch size >= 1, got {self.batch_key}")
 
     @property
+    def prior(self) -> float:
+        """What the estimate drifts back to at gamma 0: prior_alpha, and the request's own tests
+        weighed against the prior_tests it stands for. Behind a fresh engine's first request stand
+        only two pseudo-tests (alpha 0.5); were they the whole prior, each stretch at gamma 0 would
+        bring a useless draft's estimate back to 0.5 within ~20 rounds, and the request would draft
+        again every few rounds (not a probe, so never backing off) for as long as it ran: every
+        request of the command line is a first one. Its own rejections outweigh two tests; behind a
+        request of an engine that has run a while stand ~100, which a stretch of its own moves less."""
+        if math.isinf(self.prior_tests):
+            return self.prior_alpha
+        return (self.prior_alpha * self.prior_tests + self.own_accepted) / (self.prior_tests + self.own_tested)
+
+    @property
     def alpha(self) -> float:
-        return (self.accepted + self.prior_weight * self.prior_alpha) / (self.accepted + self.rejected + self.prior_weight)
+        return (self.accepted + self.prior_weight * self.prior) / (self.accepted + self.rejected + self.prior_weight)
 
     def update(self, accepted: int, rejected: int):
         """A round's tested drafts, after forgetting a share 1 - decay of the earlier ones."""
         self.fade(self.decay)
         self.accepted += accepted
         self.rejected += rejected
+        self.own_accepted += accepted
+        self.own_tested += accepted + rejected
 
     def fade(self, keep: float):
         self.accepted *= keep
@@ -158,10 +245,9 @@ class GammaController:
 
     DRAFT_MARGIN = 0.05  # draft only where the model promises 5% more tokens per second
 
-    def __init__(self, costs: CostModel | dict[int, CostModel]):
-        self.costs_by_batch = costs if isinstance(costs, dict) else {1: costs}
-        if not self.costs_by_batch or len({c.max_gamma for c in self.costs_by_batch.values()}) != 1:
-            raise ValueError("cost models must cover the same gammas")
+    def __init__(self, costs: CostModel | Mapping[int, CostModel]):
+        """costs: by batch size (one CostModel: batch size 1's); a CostTable measures them as needed."""
+        self.costs_by_batch = costs if isinstance(costs, CostTable) else CostTable.of(costs)
         # Acceptance over the finished requests' tests (the last ~100 dominate: FINISHED_KEEP per
         # test): what every request's estimate is shrunk towards, so a new one does not spend its
         # first rounds drafting for alpha = 0.5. Weighed by tests, not requests, so that rows that
@@ -189,7 +275,9 @@ class GammaController:
         """The estimate of a request that starts in a batch of this many rows (greedy: at temperature 0)."""
         key = self._batch_key(batch_size)
         unanswered, rounds = self.finished_wait.get((key, greedy), (0, 0))
-        return AcceptanceEstimate(prior_alpha=self.finished[greedy].alpha, prior_weight=self.PRIOR_WEIGHT,
+        finished = self.finished[greedy]
+        return AcceptanceEstimate(prior_alpha=finished.alpha, prior_tests=finished.accepted + finished.rejected,
+                                  prior_weight=self.PRIOR_WEIGHT,
                                   unanswered_probes=unanswered, rounds_without_drafts=rounds, batch_key=key,
                                   greedy=greedy)
 
@@ -213,7 +301,7 @@ class GammaController:
 
     @property
     def max_gamma(self) -> int:
-        return next(iter(self.costs_by_batch.values())).max_gamma
+        return self.costs_by_batch.max_gamma
 
     def costs_for(self, batch_size: int) -> CostModel:
         """The model measured at this batch size. Between measured sizes (the rows left when others
@@ -221,19 +309,20 @@ class GammaController:
         (interpolated over batch * tokens: a matrix product's cost follows its rows), and a draft
         step is interpolated over the batch size (taking the smaller size's costs would price
         verifying several tokens of a few rows as cheap as at batch 1, where on a CPU it is not).
-        Outside the measured sizes, the nearest."""
+        Outside the measured sizes, the nearest. (Sizes not measured yet are measured now: see
+        CostTable.)"""
         if batch_size not in self._costs_at:  # asked up to three times a round: built once per size
             self._costs_at[batch_size] = self._costs_between(batch_size)
         return self._costs_at[batch_size]
 
     def _costs_between(self, batch_size: int) -> CostModel:
-        sizes = sorted(self.costs_by_batch)
-        if batch_size in self.costs_by_batch or batch_size < sizes[0] or batch_size > sizes[-1]:
+        sizes = self.costs_by_batch.batch_sizes
+        if batch_size in sizes or batch_size < sizes[0] or batch_size > sizes[-1]:
             return self.costs_by_batch[min(sizes, key=lambda b: abs(b - batch_size))]
-        tokens, seconds = zip(*sorted((b * k, t) for b, costs in self.costs_by_batch.items()
-                                      for k, t in enumerate(costs.verify_s, start=1)))
         lo = max(b for b in sizes if b < batch_size)
         hi = min(b for b in sizes if b > batch_size)
+        tokens, seconds = zip(*sorted((b * k, t) for b in (lo, hi)
+                                      for k, t in enumerate(self.costs_by_batch[b].verify_s, start=1)))
         w = (batch_size - lo) / (hi - lo)
         draft = (1 - w) * self.costs_by_batch[lo].draft_step_s + w * self.costs_by_batch[hi].draft_step_s
         return CostModel(draft, tuple(float(np.interp(batch_size * k, tokens, seconds))
