@@ -12,6 +12,13 @@ prompt. The budget is the tokens of all of a step's chunks:
            speed. Both times are measured as they run, so the budget follows the device, the
            models and the batch. With a split target every rank takes rank 0's budget (the ranks'
            calls must match).
+
+A chunk's time per token is learnt from chunks only: a whole prompt prefilled while nothing
+decodes spreads each call's fixed cost (every weight read and dequantized for the GEMMs) over all
+its tokens and rows, so its time per token understates a chunk's. A chunk also costs more the
+further into its prompt it lies (its attention reads more keys: SmolLM2-135M's 32-token chunk
+took about 55 ms at the start of a 1,500-token prompt and 90 ms at its end, on 2 cores), so a
+slower chunk counts at once, while a faster one is only averaged in.
 """
 from __future__ import annotations
 
@@ -29,8 +36,9 @@ class PrefillBudget:
 
     def __init__(self, setting: int | str | None, tp=None):
         self.setting, self.tp = setting, tp
-        self.prefill_s_per_token: float | None = None
+        self.prefill_s_per_token: float | None = None  # of chunks (see the module)
         self.round_s: float | None = None
+        self._chunked = False  # whether the last budget given was a limit (next)
 
     def next(self, decoding: bool) -> int | None:
         """The budget of the next step's prefill (None: no limit); decoding: whether rows decode."""
@@ -45,12 +53,18 @@ class PrefillBudget:
         if self.tp is not None:  # timings differ between ranks: rank 0's budget for all
             budget = self.tp.broadcast_int(-1 if budget is None else budget)
             budget = None if budget < 0 else budget
+        self._chunked = budget is not None
         return budget
 
     def observe_prefill(self, tokens: int, seconds: float):
-        """A step's prefill of `tokens` prompt tokens took `seconds` (draft model included)."""
-        if tokens >= CHUNK:  # shorter prompts take other products (layers.linear): not the chunks' pace
-            self.prefill_s_per_token = self._smooth(self.prefill_s_per_token, seconds / tokens)
+        """A step's prefill of `tokens` prompt tokens took `seconds` (draft model included), under
+        the budget next() gave last."""
+        # Shorter prompts take other products (layers.linear), and unlimited steps prefill whole
+        # prompts: neither is the chunks' pace.
+        if self._chunked and tokens >= CHUNK:
+            rate = seconds / tokens
+            old = self.prefill_s_per_token
+            self.prefill_s_per_token = rate if old is None or rate > old else self._smooth(old, rate)
 
     def observe_round(self, seconds: float):
         """A round of the decoding rows took `seconds`."""

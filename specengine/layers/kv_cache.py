@@ -5,9 +5,24 @@ masked by attention (a query never sees keys beyond its own position) and overwr
 by the next write at those positions. Nothing is copied, there is no tree.
 
 Rows are the requests in flight, in order: requests that join append rows (add_rows), finished
-ones are dropped by moving the others to the front (keep_rows). A growable cache reallocates,
-copying the rows held, when joining rows need more rows or positions than it holds; a fixed
-one (the persistent cache of CUDA graphs, whose addresses a graph keeps) never moves.
+ones are dropped by moving the others to the front (keep_rows). A growable cache reallocates when
+joining rows need more rows or positions than it holds, at least doubling the rows it lacks. A
+reallocation or a move copies the rows held: each up to its length where its owner keeps nothing
+past it (entries_end_at_lengths), else whole. A fixed cache (the persistent cache of CUDA graphs,
+whose addresses a graph keeps) never moves.
+
+A growable cache's memory is not zeroed (zeroing a grown cache is most of a step: 232 ms of a
+323 ms step when a long prompt joined four streams on a 2-core CPU). Positions a row has never
+written hold whatever the allocator gave, NaN bit patterns included, so no query may let them
+count: a query sees only positions at or before its own, which its row wrote earlier or its call
+writes first. What the attention paths read past those: the C++ op transposes whole blocks of 16
+keys but never uses the scores of keys past a query's position; the Triton kernel loads no key
+past the last position of its row's queries; the torch reference attends over every row up to the
+call's kv_len (scaled_dot_product_attention with a mask, where a masked NaN still makes NaN), so
+it attends over copies in which what no query of a row sees is zero (ops.attention.seen_entries).
+Two kinds of call see positions nobody wrote, and get zeros: the padding rows of fixed-shape steps
+sit at the spill slot, past every key of their rows (a fixed cache is allocated once, zeroed), and
+a cost measurement pretends rows hold entries (pretend_filled zeroes them).
 
 Staged rows follow the rows in use: rows of requests whose prompts are still being prefilled
 (a chunk a step, engine.batch), which the rounds do not see (lengths, batch_size: the rows in
@@ -24,8 +39,22 @@ from __future__ import annotations
 import torch
 
 
+def unwritten(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Memory for cache entries, as the allocator gives it: never zeroed, whatever it held (see
+    above; tests fill it with NaN instead, to check that no query lets it count)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 class StaticKVCache:
     staged = 0  # see rows_held
+    # Whether each row's entries that matter end at its length, as rollback by length has it (its
+    # owner says so: engine.batch, for the target's cache and the draft model's staged cache). Then a
+    # growing cache copies a row up to its length, and so does a move; otherwise whole rows, since
+    # an owner may keep entries past a row's length (the cross-vocabulary drafter keeps its drafts
+    # there, setting the lengths itself each round). A fixed cache moves whole rows either way: a
+    # round over a padded bucket of fixed-shape steps changes the lengths of staged rows it pads
+    # with (see above), and on a GPU copying whole rows costs little.
+    entries_end_at_lengths = False
 
     def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, growable: bool = True):
@@ -46,9 +75,14 @@ class StaticKVCache:
         # One slot past the capacity takes the writes of padding tokens that fall beyond it;
         # no query ever attends to it (queries sit at positions < capacity).
         shape = (num_layers, rows, capacity + 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = self._memory(shape, dtype, device)
+        self.v = self._memory(shape, dtype, device)
         self._lengths = torch.zeros(rows, dtype=torch.int64, device=device)
+
+    def _memory(self, shape, dtype, device) -> torch.Tensor:
+        """Entries as allocated: not zeroed in a growable cache, zeroed in a fixed one (see above)."""
+        memory = unwritten(shape, dtype, device)
+        return memory if self.growable else memory.zero_()
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -72,8 +106,10 @@ class StaticKVCache:
         self.lengths.zero_()
 
     def pretend_filled(self, length: int):
-        """Make every row in use hold `length` entries (whatever they contain): what timing a step
-        at that context needs (engine.costs.measure_costs)."""
+        """Make every row in use hold `length` entries, zeros: what timing a step at that context
+        needs (engine.costs.measure_costs)."""
+        self.k[:, :self.batch_size, :length].zero_()
+        self.v[:, :self.batch_size, :length].zero_()
         self.lengths.fill_(length)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +118,8 @@ class StaticKVCache:
 
     def reserve(self, rows: int, capacity: int):
         """Room for `rows` rows of `capacity` positions, keeping the rows held and their entries.
-        A growable cache that lacks room reallocates, at least doubling what it lacks (rows joining
-        one at a time copy it a logarithmic number of times); a fixed one raises."""
+        A growable cache that lacks room reallocates, at least doubling the rows it lacks (rows
+        joining one at a time copy it a logarithmic number of times); a fixed one raises."""
         if rows <= self.allocated_rows and capacity <= self.capacity:
             return
         if not self.growable:
@@ -92,11 +128,26 @@ class StaticKVCache:
         L, _, _, H, D = self.k.shape
         new_rows = max(rows, 2 * self.allocated_rows) if rows > self.allocated_rows else self.allocated_rows
         new_capacity = capacity if capacity > self.capacity else self.capacity
-        k, v, lengths, n, kept = self.k, self.v, self._lengths, self.rows_held, self.capacity
+        k, v, lengths, kept = self.k, self.v, self._lengths, list(range(self.rows_held))
+        positions = self._held(kept)
         self._allocate(L, new_rows, new_capacity, H, D, k.dtype, k.device)
-        self.k[:, :n, :kept] = k[:, :n, :kept]
-        self.v[:, :n, :kept] = v[:, :n, :kept]
-        self._lengths[:n] = lengths[:n]
+        self._copy_rows(k, v, kept, kept, positions)
+        self._lengths[:len(kept)] = lengths[:len(kept)]
+
+    def _held(self, rows: list[int]) -> list[int]:
+        """How many positions of each of these rows to copy when it moves or the cache grows (see
+        entries_end_at_lengths)."""
+        if not (self.growable and self.entries_end_at_lengths):
+            return [self.capacity] * len(rows)
+        lengths = self._lengths[rows].tolist() if rows else []
+        return [min(n, self.capacity) for n in lengths]
+
+    def _copy_rows(self, k: torch.Tensor, v: torch.Tensor, to: list[int], rows: list[int], positions: list[int]):
+        """Row to[i] of this cache takes the first positions[i] entries of row rows[i] of k, v, in
+        order (a row read after it was written reads what was written)."""
+        for i, r, count in zip(to, rows, positions):
+            self.k[:, i, :count] = k[:, r, :count]
+            self.v[:, i, :count] = v[:, r, :count]
 
     def add_rows(self, count: int) -> "StaticKVCache":
         """Append `count` empty rows (reserve room first) and return a cache of just those rows, a
@@ -167,14 +218,22 @@ class StaticKVCache:
 
     def _gather(self, rows: list[int]):
         """Row i becomes what row rows[i] holds (the rows before the first one that moves are
-        left alone)."""
+        left alone; see _held for how much of a row is copied)."""
         first = next((i for i, r in enumerate(rows) if r != i), len(rows))
         if first == len(rows):
             return
+        moves = [(i, r) for i, r in enumerate(rows) if r != i]
+        to, sources = [i for i, _ in moves], [r for _, r in moves]
+        positions = self._held(sources)
+        if all(r > i for i, r in moves):
+            # Rows moving to the front (requests that left): in order, each row is read before
+            # any later move writes it.
+            self._copy_rows(self.k, self.v, to, sources, positions)
+        else:  # staged rows reordered (promote): a row may be written before it is read, so all are read first
+            n = max(positions)
+            self._copy_rows(self.k[:, sources, :n], self.v[:, sources, :n], to, list(range(len(moves))), positions)
         index = torch.tensor(rows[first:], dtype=torch.int64, device=self.k.device)
         n = len(rows)
-        self.k[:, first:n] = self.k[:, index]
-        self.v[:, first:n] = self.v[:, index]
         self._lengths[first:n] = self._lengths[index]
         self._gather_more(first, n, index)
 
@@ -201,8 +260,10 @@ class EncoderDecoderKVCache(StaticKVCache):
         L, _, _, H, D = self.k.shape
         self.source_capacity = source_capacity
         shape = (L, rows, source_capacity, H, D)
-        self.cross_k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
-        self.cross_v = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
+        # Not zeroed either: a row's cross-attention sees its own source tokens, all written when it
+        # joined (the torch reference zeroes the keys past them first, as for self-attention).
+        self.cross_k = self._memory(shape, self.k.dtype, self.k.device)
+        self.cross_v = self._memory(shape, self.k.dtype, self.k.device)
         self._source_lengths = torch.zeros(rows, dtype=torch.int64, device=self.k.device)
 
     @property
@@ -211,9 +272,11 @@ class EncoderDecoderKVCache(StaticKVCache):
         return self._source_lengths[: self.batch_size]
 
     def pretend_filled(self, length: int):
-        """Also an encoder input of `length` tokens in every row."""
+        """Also an encoder input of `length` tokens in every row (zeros)."""
         super().pretend_filled(length)
         self.reserve_source(length)
+        self.cross_k[:, :self.batch_size, :length].zero_()
+        self.cross_v[:, :self.batch_size, :length].zero_()
         self.source_lengths.fill_(length)
 
     def cross_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,10 @@ For a batch of rows that each append T tokens at their own positions (decode, ve
 or prefill): rotate q and k (Llama rotate-half), write k and v into the cache at the tokens'
 positions, and let every query attend to the cache keys at or before its own position
 (within the sliding window, if any). Rolled-back drafts need nothing: their stale entries lie
-past the row's length and no query sees them until they are overwritten.
+past the row's length and no query sees them until they are overwritten. Positions a row never
+wrote hold whatever memory the cache was given (layers.kv_cache): "cpp" and "triton" never use a
+key past a query's position, and "reference", which attends over a rectangle, zeroes what no
+query of a row sees first (seen_entries).
 
   "cpp"        specengine._C.cached_attention: float32 on a CPU, one call instead of ~10 torch
                ops that cost 0.5 ms per layer of the shipped models (dispatch, not arithmetic);
@@ -148,7 +151,7 @@ def cached_attention_reference(q, k, v, cos, sin, positions, cache_k, cache_v, k
     rows = torch.arange(B, device=positions.device)[:, None]
     cache_k[rows, slots] = k
     cache_v[rows, slots] = v
-    keys, values = cache_k[:B, :kv_len], cache_v[:B, :kv_len]
+    keys, values = seen_entries(cache_k[:B, :kv_len], mask), seen_entries(cache_v[:B, :kv_len], mask)
     # On CUDA, not cuDNN's attention: it builds an execution plan for every new shape, and decoding
     # changes kv_len every step (on an H200 that made an eager round 8x slower than its
     # fixed-shape forwards).
@@ -156,6 +159,17 @@ def cached_attention_reference(q, k, v, cos, sin, positions, cache_k, cache_v, k
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=mask, enable_gqa=k.shape[2] != H)
     return out.transpose(1, 2).reshape(B, T, H * D)
+
+
+def seen_entries(entries: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """entries [B, S, heads, D] of a cache's rows, zero at the positions no query of the row sees;
+    visible [B or 1, H or 1, T, S] bool. The torch paths attend over every row's first S positions
+    (a rectangle, S the call's longest) and mask the rest, but a masked entry that holds NaN or inf
+    still counts: its score comes out NaN (NaN - inf, inf - inf), and a weight of 0 times a NaN
+    value is NaN. A cache's memory is not zeroed, so what a row has not written may hold anything
+    (layers.kv_cache); zeroed, a masked entry adds exactly nothing, as a stale one did."""
+    seen = visible.flatten(1, 2).any(1)  # [B, S]
+    return entries.masked_fill(~seen[:, :, None, None], 0)
 
 
 def token_stride(x: torch.Tensor) -> int | None:
@@ -286,7 +300,9 @@ def relative_attention_reference(q, k, v, positions, cache_k, cache_v, kv_len: i
         rows = torch.arange(B, device=positions.device)[:, None]
         cache_k[rows, slots] = k
         cache_v[rows, slots] = v
-    return biased_attention(q, cache_k[:B, :kv_len], cache_v[:B, :kv_len], bias)
+    visible = bias != float("-inf")
+    keys, values = seen_entries(cache_k[:B, :kv_len], visible), seen_entries(cache_v[:B, :kv_len], visible)
+    return biased_attention(q, keys, values, bias)
 
 
 def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
