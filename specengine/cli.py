@@ -17,7 +17,11 @@ import os
 import sys
 
 from .sampling.params import SamplingParams
+from .server.limits import ServerLimits
 from .shipped import default_pair
+
+# Where `serve` finds its API key when --api-key is not given.
+API_KEY_VARIABLE = "SPECENGINE_API_KEY"
 
 
 def _gamma(text: str) -> int | str:
@@ -92,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specengine", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    _engine_arguments(gen, gamma=5, gamma_help="draft tokens per round, or 'auto' to choose it each round "
-                                               "from measured costs")
+    _engine_arguments(gen, gamma="auto", gamma_help="draft tokens per round, or 'auto' (default) to choose it "
+                                                    "each round from measured costs (0: target-only)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true",
                      help="send the prompt as one user message through the tokenizer's chat template")
@@ -128,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plot", action="store_true", help="no PNG")
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/completions, /v1/chat/completions "
-                                         "(streamed as server-sent events), /v1/models, /health")
+                                         "(streamed as server-sent events), /v1/models, /health, /metrics")
     _engine_arguments(serve, gamma="auto", gamma_help="draft tokens per round, or 'auto' (default) to choose it "
                                                       "each round as the batch changes")
     serve.add_argument("--max-gamma", type=int, default=8, help="the most drafts gamma='auto' may choose")
@@ -150,6 +154,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="at SIGTERM or Ctrl-C, how long open requests may run on before the rest end with "
                             "finish_reason 'abort' (default 10)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    limits = serve.add_argument_group("access and limits", "each refusal has OpenAI's error shape and is counted in "
+                                      "/metrics as specengine:requests_refused_total{reason}")
+    limits.add_argument("--api-key", metavar="KEY",
+                        help=f"every endpoint but /health and /metrics answers 401 unless the request carries "
+                             f"`Authorization: Bearer KEY` (default: ${API_KEY_VARIABLE}, else no key; the variable "
+                             f"keeps the key out of the process list)")
+    limits.add_argument("--protect-metrics", action="store_true", help="with a key: /metrics needs it too")
+    limits.add_argument("--max-waiting", type=int, metavar="N",
+                        help="the most requests (one per prompt) that may wait for a row of the batch; past them "
+                             "503 with Retry-After (default: no limit)")
+    limits.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes, metavar="N",
+                        help=f"the largest request body; past it 413, from Content-Length before the body is read "
+                             f"(default {ServerLimits.max_body_bytes}, 1 MiB)")
+    limits.add_argument("--max-prompts-per-request", type=int, default=ServerLimits.max_prompts_per_request,
+                        metavar="N", help=f"the most prompts of a completions request; past it 400 "
+                                          f"(default {ServerLimits.max_prompts_per_request})")
+    limits.add_argument("--max-stop-strings", type=int, default=ServerLimits.max_stop_strings, metavar="N",
+                        help=f"the most stop strings of a request; past it 400 "
+                             f"(default {ServerLimits.max_stop_strings})")
+    limits.add_argument("--clamp-max-tokens", action="store_true",
+                        help="shorten a max_tokens that does not fit in the context after the prompt to what fits "
+                             "(as llama-server does) rather than answer 400 (as vLLM and OpenAI do)")
 
     convert = sub.add_parser("convert", help="write a GGUF file as a Hugging Face folder (config.json, "
                                              "bfloat16 model.safetensors, tokenizer with its chat template)")
@@ -206,6 +232,17 @@ def _bind(host: str, port: int):
     return sock
 
 
+def _server_limits(args) -> ServerLimits:
+    """serve's limits; the key from --api-key, else from $SPECENGINE_API_KEY. No message names the key."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_VARIABLE)
+    if args.api_key is None and api_key == "":
+        # Set but empty: serving without a key would open what was meant to be closed.
+        raise ValueError(f"{API_KEY_VARIABLE} is set but empty: give it a key, or unset it to serve without one")
+    return ServerLimits(api_key=api_key, protect_metrics=args.protect_metrics, max_waiting=args.max_waiting,
+                        max_body_bytes=args.max_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
+                        max_stop_strings=args.max_stop_strings, clamp_max_tokens=args.clamp_max_tokens)
+
+
 class _LogFormatter(logging.Formatter):
     """specengine's log lines as its own: "specengine: message", "specengine: warning: message"."""
 
@@ -244,6 +281,7 @@ def serve(args) -> int:
     if cache != "auto" and cache < 0:
         raise ValueError(f"--prefix-cache-mib must be 'auto' or a number of MiB >= 0, got {cache}")
     _check_drafter_options(args)
+    limits = _server_limits(args)
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"{flag} {path} does not exist")
@@ -282,11 +320,12 @@ def serve(args) -> int:
         name = args.served_model_name or Path(target).name.removesuffix(".gguf")
         async_engine = AsyncEngine(engine)
         host = f"[{args.host}]" if ":" in args.host else args.host
-        server = Server(uvicorn.Config(create_app(async_engine, name), host=args.host, port=args.port,
+        keyed = "; requests need the API key" if limits.api_key is not None else ""
+        server = Server(uvicorn.Config(create_app(async_engine, name, limits), host=args.host, port=args.port,
                                        log_level=args.log_level),
                         async_engine, grace=args.shutdown_grace,
-                        on_started=lambda: _say(f"serving {name} on http://{host}:{args.port}/v1 (SIGTERM or Ctrl-C "
-                                                f"stops it; open requests get {args.shutdown_grace:g} s)"))
+                        on_started=lambda: _say(f"serving {name} on http://{host}:{args.port}/v1{keyed} (SIGTERM or "
+                                                f"Ctrl-C stops it; open requests get {args.shutdown_grace:g} s)"))
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         if server is None or not server.started:

@@ -150,7 +150,7 @@ def test_stop_strings_that_span_tokens(client, offline):
     (dict(max_tokens=0), "max_tokens", "greater than or equal to 1"),
     (dict(seed=-5), "seed", "greater than or equal to 0"),
     (dict(n=2), "n", "n must be 1"),
-    (dict(logprobs=2), "logprobs", "logprobs are not supported"),
+    (dict(logprobs=21), "logprobs", "in [0, 20]"),
     (dict(presence_penalty=0.5), "presence_penalty", "not supported"),
     (dict(stop=[""]), "stop", "non-empty"),
     (dict(extra_body={"top_k": -3}), "top_k", "greater than or equal to -1"),

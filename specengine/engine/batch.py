@@ -23,6 +23,7 @@ from ..layers.kv_cache import StaticKVCache
 from ..sampling.batch import SamplingBatch
 from ..steps.feed import prefill_chunks
 from ..steps.graphs import FixedShapeSteps
+from .outputs import score_prompt_chunk
 from .prefill_budget import CHUNK
 from .prefix_cache import BLOCK, PrefixCache, block_keys
 from .request import Request
@@ -86,6 +87,9 @@ class RunningBatch:
             self.draft_cache = self.drafter.staged_cache(self.cache.capacity)
         encoder_decoder = self.target.is_encoder_decoder
         for model, cache in self._models():
+            # Both caches' rows roll back by length, and a staged row's length is what its prefill
+            # (or the prefix cache) gave it: nothing past a row's length matters.
+            cache.entries_end_at_lengths = True
             cache.reserve(rows, self.cache.capacity)
             if encoder_decoder:
                 cache.reserve_source(max(len(r.source) for r in requests))
@@ -106,6 +110,8 @@ class RunningBatch:
 
     def _from_prefix_cache(self, j: Joining):
         j.keys = block_keys(j.prefill)
+        if j.request.prompt_logprobs is not None:
+            return  # its prompt is scored from its prefill's hidden states: prefilled whole (and cached)
         blocks = self.prefix_cache.match(j.keys, j.prefill)
         if not blocks:
             return
@@ -118,6 +124,8 @@ class RunningBatch:
                 row.v[:, 0, i * BLOCK:(i + 1) * BLOCK] = v
         j.stored = len(blocks)
         j.done = j.request.stats.cached_prompt_tokens = len(blocks) * BLOCK
+        for _, cache in self._models():  # what the rows hold (layers.kv_cache's entries_end_at_lengths)
+            cache.staged_view(staged, 1).lengths.fill_(j.done)
 
     def prefill(self, budget: int | None) -> tuple[list[Request], int]:
         """Prefill the joining requests, the oldest first, up to `budget` prompt tokens (None: no
@@ -163,8 +171,11 @@ class RunningBatch:
         rows, done = [i for i, _, _ in work], [j.done for _, j, _ in work]
         chunks = [j.prefill[j.done:j.done + n] for _, j, n in work]
         whole = [len(j.prefill) for _, j, _ in work]
+        scored = any(j.request.prompt_logprobs is not None for _, j, _ in work)
         for model, cache in self._models():
-            calls = prefill_chunks(model, cache, rows, done, chunks, whole)
+            on_hidden = ((lambda i, hidden: score_prompt_chunk(self.target, work[i][1].request, done[i], hidden))
+                         if scored and model is self.target else None)
+            calls = prefill_chunks(model, cache, rows, done, chunks, whole, on_hidden)
         for call in calls:
             for i in call:
                 work[i][1].request.stats.target_calls += 1
@@ -247,9 +258,10 @@ class RunningBatch:
 
     def make_room(self, positions: int):
         """Let every row reach `positions` positions (within the context). A growable cache grows
-        with the sequences themselves, not with what they may reach: at least twofold each time, so
-        a row copies it a logarithmic number of times, and a chat request allowed the whole context
-        (SmolLM2's 8,192 positions cost 0.38 GB a row) holds only what it uses."""
+        with the sequences themselves, not with what they may reach: to twice the positions asked
+        for, so a row copies it a logarithmic number of times (a long prompt that joins too), and a
+        chat request allowed the whole context (SmolLM2's 8,192 positions cost 0.38 GB a row) holds
+        at most twice what it uses."""
         capacity = self._grown_capacity(positions)
         if capacity == self.cache.capacity:
             return
@@ -260,7 +272,7 @@ class RunningBatch:
     def _grown_capacity(self, positions: int) -> int:
         if positions <= self.cache.capacity:
             return self.cache.capacity
-        return min(self.max_seq_len, max(positions, 2 * self.cache.capacity))
+        return min(self.max_seq_len, 2 * positions)
 
     def keep(self, rows: list[int]):
         """Keep these rows (in this order); the others' requests have left. Staged rows stay."""

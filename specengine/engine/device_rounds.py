@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling.batch import SamplingBatch, logits_valid
+from ..sampling.logprobs import TokenLogprob
 from ..steps.graphs import FixedShapeSteps
 from ..steps.feed import to_device
 from .verification import verify_round
@@ -33,6 +34,7 @@ class RowRounds:
     rejections: int         # rounds that ended by rejecting a draft
     histogram: list[int]    # [G + 1]: rounds by drafts accepted
     failure: str | None = None  # why the row keeps nothing of these rounds (its logits broke)
+    logprobs: list[TokenLogprob] | None = None  # one per token, for a row that asks (SamplingParams.logprobs)
 
 
 def rounds_that_fit(rooms: list[int], gamma: int) -> int:

@@ -41,6 +41,9 @@ class Intake:
         wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
         if wrong is not None:
             raise TypeError(f"params must be SamplingParams, got {type(wrong).__name__}")
+        if self.target.is_encoder_decoder and any(p.prompt_logprobs is not None for p in params):
+            raise ValueError("prompt_logprobs needs a decoder-only target: an encoder-decoder target's prompt is its "
+                             "encoder's input, which it does not predict")
         ids = list(request_ids) if request_ids is not None else [None] * len(prompts)
         for i, request_id in enumerate(ids):
             if request_id is None:

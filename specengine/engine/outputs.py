@@ -1,11 +1,15 @@
 """What requests gain: a round's tokens applied under the stop conditions (EOS, max_new_tokens,
-stop strings, a full context), the statistics they count, and the outputs and results reported."""
+stop strings, a full context), the statistics they count, and the outputs and results reported;
+and the log-probabilities of a prompt's tokens, from its prefill (score_prompt_chunk)."""
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Collection
 
+import torch
+
+from ..sampling.logprobs import request_logprobs
 from .device_rounds import RowRounds
 from .request import Request, RequestOutput, Result
 from .text import settled_length
@@ -36,6 +40,8 @@ class Outputs:
         per_round = outcome.drafted // outcome.rounds if outcome.rounds else 0
         for position in range(per_round):
             s.drafted_by_position[position] += outcome.rounds
+        if r.logprobs is not None:
+            r.logprobs += outcome.logprobs
         self._append(r, outcome.tokens)
         if r.finish_reason is not None:
             r.stats.wall_time_s = time.perf_counter() - r.added_at
@@ -59,6 +65,8 @@ class Outputs:
                          f"(it began with {len(r.sequence_start)}); the partial output is kept")
             log.warning(r.message)
         r.stats.generated_tokens = len(r.generated)
+        if r.logprobs is not None:  # those of tokens past the request's end go with them
+            del r.logprobs[len(r.generated):]
 
     def _check_stop_strings(self, r: Request, before: int):
         decode = self.tokenizer.decode
@@ -85,6 +93,7 @@ class Outputs:
     def output(self, r: Request) -> RequestOutput:
         """The tokens and text r gained since its last output."""
         new_tokens = r.generated[r.sent_tokens:]
+        new_logprobs = r.logprobs[r.sent_tokens:] if r.logprobs is not None else None
         r.sent_tokens = len(r.generated)
         new_text = None
         if self.tokenizer is not None:
@@ -93,7 +102,27 @@ class Outputs:
             new_text = text[r.sent_chars:end] if end > r.sent_chars else ""
             r.sent_chars = max(r.sent_chars, end)
         return RequestOutput(r.request_id, new_tokens, new_text, r.finish_reason is not None, r.finish_reason,
-                             r.stats, r.message)
+                             r.stats, r.message, new_logprobs, r.prompt_logprobs)
 
     def result(self, r: Request) -> Result:
-        return Result(r.prompt_token_ids, list(r.generated), self.text(r), r.finish_reason, r.stats, r.message)
+        return Result(r.prompt_token_ids, list(r.generated), self.text(r), r.finish_reason, r.stats, r.message,
+                      None if r.logprobs is None else list(r.logprobs), r.prompt_logprobs)
+
+
+# Prompt positions scored at a time: their logits [n, V] float32 (0.2 GB at SmolLM2's vocabulary).
+SCORED_POSITIONS = 1024
+
+
+def score_prompt_chunk(target, r: Request, start: int, hidden: torch.Tensor):
+    """Append the log-probabilities of r's prompt tokens start + 1 ... start + n to
+    r.prompt_logprobs (when it asks for them), from the target's hidden states [n, D] of its
+    prefill at positions start ... start + n - 1 (each predicts the token after it)."""
+    if r.prompt_logprobs is None:
+        return
+    if len(r.prompt_logprobs) != start + 1:
+        raise RuntimeError(f"request {r.request_id}: prompt positions from {start} scored after "
+                           f"{len(r.prompt_logprobs) - 1} (a prompt scored in order, without the prefix cache)")
+    for a in range(0, hidden.shape[0], SCORED_POSITIONS):
+        part = hidden[a:a + SCORED_POSITIONS]
+        tokens = r.prompt_token_ids[start + a + 1:start + a + 1 + part.shape[0]]
+        r.prompt_logprobs += request_logprobs(target.logits(part), tokens, r.params, r.params.prompt_logprobs)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..sampling.logprobs import TokenLogprob
 from ..sampling.params import SamplingParams
 from .gamma import AcceptanceEstimate
 
@@ -111,6 +112,11 @@ class Result:
                                  # full), "abort" (Engine.abort, or a failed round)
     stats: DecodeStats
     message: str = ""            # why a request ended early, in words
+    # With SamplingParams.logprobs: one per generated token (token_ids), else None.
+    logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing
+    # precedes it), else None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -124,6 +130,10 @@ class RequestOutput:
     finish_reason: str | None    # one of FINISH_REASONS once finished
     stats: DecodeStats
     message: str = ""
+    # With SamplingParams.logprobs: one per token of new_token_ids, else None.
+    new_logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs: the prompt's (as Result.prompt_logprobs), in every output.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(eq=False)  # a request in flight is itself, not its fields
@@ -144,6 +154,16 @@ class Request:
     # With an encoder-decoder target the decoded sequence starts here ([decoder_start_token_id]),
     # not at the prompt, which the encoder reads.
     decoder_start: list[int] | None = None
+    # What SamplingParams.logprobs and prompt_logprobs ask for (None when they do not): one per
+    # generated token, and one per prompt token (None for the first; filled as it is prefilled).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def __post_init__(self):
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def sequence_start(self) -> list[int]:

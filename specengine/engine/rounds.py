@@ -7,6 +7,9 @@ when the engine is built:
   DeviceBlocks  the same, but where every row has room, up to check_every rounds run from device
                 state before one read (engine.device_rounds).
 
+A row that asks for log-probabilities has them from its round's verification logits (HostRounds._score):
+no forward more, and a block from device state gives way to host rounds while such a row runs.
+
 A round for rows whose logits broke (NaN, +inf) reports it per row (RowRounds.failure): rows are
 independent, so the others' tokens stand.
 """
@@ -15,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..drafters.base import Drafter, Proposal
-from ..sampling.batch import logits_valid, row_problems
+from ..sampling.batch import SamplingBatch, logits_valid, row_problems
+from ..sampling.logprobs import token_logprobs
 from .batch import RunningBatch
 from .device_rounds import RowRounds, rounds_that_fit, run_block
 from ..steps.graphs import FixedShapeSteps
@@ -46,7 +50,7 @@ class HostRounds:
         budgets = [min(gamma, room - 1) for room in self.rooms(active, sequences)]
         with self.phases("draft"):
             proposal = self._propose(sequences, budgets, batch)
-        emitted, num_emitted, logit_checks = self._verify(batch, sequences, proposal)
+        emitted, num_emitted, logit_checks, logits = self._verify(batch, sequences, proposal)
 
         # The round's one read from the device (on CUDA the first .tolist() waits for it).
         emitted_rows = emitted.tolist()
@@ -65,7 +69,29 @@ class HostRounds:
             outcomes.append(RowRounds(tokens=row[:count], rounds=1, draft_calls=proposal.draft_calls, drafted=n_drafts,
                                       accepted=count - 1, rejections=int(count - 1 < n_drafts), histogram=histogram,
                                       failure=failures.get(i)))
+        scored = [i for i, r in enumerate(active) if r.logprobs is not None and i not in failures]
+        if scored:
+            self._score(outcomes, scored, active, logits, batch.sampling)
         return outcomes, G
+
+    @staticmethod
+    def _score(outcomes: list[RowRounds], scored: list[int], active: list[Request], logits: torch.Tensor,
+               sampling: SamplingBatch):
+        """The log-probabilities of the tokens the scored rows emitted, from the round's
+        verification logits [B, G+1, V]: a row's token i (an accepted draft, then the resampled or
+        bonus token) was decided at position i, under the target's distribution there. Only rows
+        that ask for them pay for them."""
+        rows = [i for i in scored for _ in outcomes[i].tokens]
+        positions = [n for i in scored for n in range(len(outcomes[i].tokens))]
+        tokens = [t for i in scored for t in outcomes[i].tokens]
+        device = logits.device
+        index = to_device(rows, torch.int64, device)
+        found = iter(token_logprobs(logits[index, to_device(positions, torch.int64, device)],
+                                    to_device(tokens, torch.int64, device), sampling.temperature[index],
+                                    sampling.top_k[index], sampling.top_p[index], sampling.min_p[index],
+                                    [active[i].params.logprobs for i in rows]))
+        for i in scored:
+            outcomes[i].logprobs = [next(found) for _ in outcomes[i].tokens]
 
     def rooms(self, active: list[Request], sequences: list[list[int]]) -> list[int]:
         """Tokens each row may still emit: within its max_new_tokens and the context."""
@@ -108,7 +134,7 @@ class HostRounds:
                                                 batch.sampling, to_device(lengths, torch.int64, device),
                                                 target_lengths=cache.lengths, draft_lengths=draft_lengths,
                                                 impl=self.verify_impl)
-        return emitted, num_emitted, logit_checks
+        return emitted, num_emitted, logit_checks, logits
 
 
 class DeviceBlocks(HostRounds):
@@ -132,6 +158,8 @@ class DeviceBlocks(HostRounds):
         """Rounds to run from device state before reading back (1: a host round)."""
         if min(len(s) for s in sequences) < 2:
             return 1
+        if any(r.logprobs is not None for r in active):
+            return 1  # log-probabilities come from each round's verification logits, which a block overwrites
         if gamma > 0 and not self.drafter.runs_in_device_rounds(sequences):
             return 1  # a host round first: its catch-up feeds the draft model what rounds at gamma 0 skipped
         return max(1, min(self.check_every, rounds_that_fit(self.rooms(active, sequences), gamma)))

@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_SEED = 2**63 - 1
+# The most alternatives a position reports (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,12 @@ class SamplingParams:
     Warps apply in the order temperature, top-k, top-p, min-p, identically to the
     target's and the draft's distributions. seed makes a request reproducible and
     independent of the batch it runs in. stop strings end the text before them.
+
+    logprobs k (None: off) reports, for each generated token, its log-probability and the k most
+    probable tokens at its position (0 <= k <= MAX_LOGPROBS), under the target's distribution
+    after these warps: what target-only decoding samples from (greedy: the unwarped
+    log-softmax, as vLLM reports). prompt_logprobs k does the same for every prompt token but
+    the first (a decoder-only target's; an echo of the prompt).
     """
 
     max_new_tokens: int = 64
@@ -25,6 +33,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -50,6 +60,12 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None (off) or an integer in [0, {MAX_LOGPROBS}]: the log-probability "
+                                 f"of each token and that many alternatives, got {value!r}")
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,8 @@
 Every request is its own engine request, joining the running batch at the next round. A bad
 request gets HTTP 400 with an OpenAI error body naming the parameter (a body that is not JSON
 names none); a client that disconnects (streaming or not) aborts its requests, and only its own.
+ServerLimits (server/limits.py) adds the API key (401), the body's size (413), prompts, stop
+strings and the context per request (400), and the waiting queue's length (503).
 At SIGTERM or Ctrl-C, Server (what `specengine serve` runs) stops accepting, lets open requests
 run for a grace period, then ends the rest with finish_reason "abort".
 """
@@ -20,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -29,6 +32,9 @@ from starlette.exceptions import HTTPException
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.request import RequestOutput
+from ..sampling.logprobs import TokenLogprob
+from ..sampling.params import SamplingParams
+from .limits import RETRY_AFTER_S, Gate, Refused, ServerLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest
 
@@ -41,13 +47,89 @@ SHUTDOWN_BACKSTOP_S = 5.0
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
 
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+# The log-probability JSON gets for a token the request's warps drop (-inf, which JSON cannot
+# hold): vLLM's.
+DROPPED_LOGPROB = -9999.0
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character standing for each byte in a token's piece."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in chars)})
+    return {c: b for b, c in chars.items()}
+
+
+class _TokenPieces:
+    """How the logprobs formats show a token: its text (the tokenizer's decoding of it alone) and
+    its bytes (with a byte-level BPE tokenizer the token's own, which may be part of a character's;
+    otherwise its text's UTF-8)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # None: tokens show as "token_id:N", as vLLM's return_tokens_as_token_ids
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self.alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
+        self.pieces: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self.pieces.get(token_id)
+        if piece is None and self.tokenizer is None:
+            piece = self.pieces[token_id] = (f"token_id:{token_id}", list(f"token_id:{token_id}".encode()))
+        if piece is None:
+            text = self.tokenizer.decode([token_id])
+            raw = text.encode("utf-8")
+            if self.alphabet is not None:
+                chars = self.tokenizer.convert_ids_to_tokens(token_id)
+                if all(c in self.alphabet for c in chars):
+                    raw = bytes(self.alphabet[c] for c in chars)
+            piece = self.pieces[token_id] = (text, list(raw))
+        return piece
+
+
+def _json_logprob(logprob: float) -> float:
+    return max(logprob, DROPPED_LOGPROB)
+
+
+def _completion_logprobs(token_ids: list[int], entries: list[TokenLogprob | None], pieces: _TokenPieces,
+                         offset: int) -> tuple[dict, int]:
+    """OpenAI's legacy (completions) logprobs of these tokens: their texts, log-probabilities (None
+    where there is none: a prompt's first token), alternatives as {text: logprob} and offsets in
+    the choice's text, the first at `offset`, each after the texts of the tokens before it (as
+    vLLM counts them); and the offset of the token after them."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entry in zip(token_ids, entries):
+        text = pieces(token_id)[0]
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        out["token_logprobs"].append(None if entry is None else _json_logprob(entry.logprob))
+        out["top_logprobs"].append(None if entry is None else
+                                   {pieces(t)[0]: _json_logprob(logprob) for t, logprob in entry.top})
+    return out, offset
+
+
+def _joined(parts: list[dict]) -> dict:
+    """Legacy logprobs of consecutive runs of tokens as one."""
+    return {key: [x for part in parts for x in part[key]] for key in parts[0]}
+
+
+def _chat_logprobs(entries: list[TokenLogprob], pieces: _TokenPieces) -> dict:
+    """OpenAI's chat logprobs of these tokens: each one's text, log-probability, bytes and alternatives."""
+    def token(token_id: int, logprob: float) -> dict:
+        text, raw = pieces(token_id)
+        return {"token": text, "logprob": _json_logprob(logprob), "bytes": raw}
+    return {"content": [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}
+                        for e in entries]}
 
 
 class _Choices:
@@ -156,7 +238,9 @@ class Server(uvicorn.Server):
                 ended, self.grace)
 
 
-def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def create_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None) -> FastAPI:
+    """The app serving `engine` as `model_name`, refusing what `limits` (default ServerLimits()) refuse."""
+    limits = limits if limits is not None else ServerLimits()
     metrics = ServerMetrics(engine.engine)
     engine.listeners.append(metrics)
 
@@ -172,7 +256,22 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                   lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.limits = limits
     max_seq_len = engine.engine.max_seq_len
+    pieces = _TokenPieces(engine.engine.tokenizer)
+    # An encoder-decoder's prompt goes to its encoder: the decoded sequence starts with one token.
+    encoder_decoder = engine.engine.target.is_encoder_decoder
+
+    def refusal(exc: Refused) -> JSONResponse:
+        metrics.refused(exc.reason)
+        return _error(exc.status, str(exc), exc.param, kind="invalid_request_error" if exc.status < 500
+                      else "server_error", code=exc.code, headers=exc.headers)
+
+    app.add_middleware(Gate, limits=limits, refuse=refusal)
+
+    @app.exception_handler(Refused)
+    async def refused(_, exc: Refused):
+        return refusal(exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_, exc: RequestValidationError):
@@ -215,12 +314,64 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         if name is not None and name != model_name:
             raise BadRequest(f"the model `{name}` does not exist; this server serves `{model_name}`", "model")
 
-    def add_all(prompts: list, params, param: str) -> _Choices:
-        """Add every prompt's request, or none: a bad prompt aborts those added before it."""
+    def sampling_params(body, max_tokens: int) -> SamplingParams:
+        stops = len(body.stop_strings)
+        if stops > limits.max_stop_strings:
+            raise Refused(400, "too_many_stop_strings", f"stop holds {stops} strings; this server takes at most "
+                          f"{limits.max_stop_strings} per request", "stop")
+        return body.sampling_params(max_tokens)
+
+    def encoded(prompt, param: str) -> list[int]:
+        """The prompt's token ids; a prompt the engine would refuse is refused here, naming `param`."""
+        try:
+            return engine.engine.intake.encode(prompt)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param) from None
+
+    def room(prompt_ids: list[int]) -> int:
+        """The tokens that fit in the context after the prompt (at least 1: encoded() saw to it)."""
+        return max_seq_len - (1 if encoder_decoder else len(prompt_ids))
+
+    def fitted(prompt_ids: list[int], params: SamplingParams, param: str) -> SamplingParams:
+        """params, whose max_tokens fits in the context after the prompt: shortened to fit with
+        clamp_max_tokens, else refused, in the words of vLLM and OpenAI."""
+        asked, fits = params.max_new_tokens, room(prompt_ids)
+        if asked <= fits:
+            return params
+        if limits.clamp_max_tokens:
+            return replace(params, max_new_tokens=fits)
+        if encoder_decoder:
+            raise Refused(400, "context_length", f"This model's decoder holds at most {max_seq_len} tokens, its "
+                          f"start token included. However, you requested {asked} tokens in the completion. Please "
+                          f"reduce max_tokens.", "max_tokens", code="context_length_exceeded")
+        held = len(prompt_ids)
+        raise Refused(400, "context_length", f"This model's maximum context length is {max_seq_len} tokens. However, "
+                      f"you requested {held + asked} tokens ({held} in the {param}, {asked} in the completion). "
+                      f"Please reduce the length of the {param} or completion.", param, code="context_length_exceeded")
+
+    def check_queue(count: int):
+        """Refuse a request whose `count` prompts would leave more than max_waiting requests waiting
+        for a row once the next step has filled the free ones: with 503 while others run (a retry
+        may find room), with 400 if it could never be queued."""
+        inner = engine.engine
+        if limits.max_waiting is None or inner.max_batch_size is None:  # no batch limit: none waits past a step
+            return
+        if count > inner.max_batch_size + limits.max_waiting:
+            raise Refused(400, "too_many_prompts", f"prompt holds {count} prompts, more than this server ever holds "
+                          f"at once ({inner.max_batch_size} running and {limits.max_waiting} waiting)", "prompt")
+        free_rows = max(0, inner.max_batch_size - inner.num_running)
+        if inner.num_waiting + count - free_rows > limits.max_waiting:
+            raise Refused(503, "queue_full", f"the server is busy: its queue of {limits.max_waiting} waiting requests "
+                          f"is full; retry after {RETRY_AFTER_S} s", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def add_all(prompts: list[list[int]], params: list[SamplingParams], param: str) -> _Choices:
+        """Add every prompt's request (token ids, with their params), or none: a bad prompt aborts
+        those added before it."""
+        check_queue(len(prompts))
         ids: list[str] = []
         try:
-            for prompt in prompts:
-                ids.append(engine.add_request(prompt, params))
+            for prompt, prompt_params in zip(prompts, params):
+                ids.append(engine.add_request(prompt, prompt_params))
         except ValueError as exc:
             for request_id in ids:
                 engine.abort(request_id)
@@ -260,29 +411,66 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        params = body.sampling_params(body.max_tokens if body.max_tokens is not None else 16)
+        params = sampling_params(body, body.max_tokens if body.max_tokens is not None else 16)
         prompts = body.prompts()
-        choices = add_all(prompts, params, "prompt")
+        if len(prompts) > limits.max_prompts_per_request:
+            raise Refused(400, "too_many_prompts", f"prompt holds {len(prompts)} prompts; this server takes at most "
+                          f"{limits.max_prompts_per_request} per request", "prompt")
+        sent = prompts
+        prompts = [encoded(prompt, "prompt") for prompt in prompts]
+        # What echo puts before each completion: the prompt as sent, or its token ids' text.
+        tokenizer = engine.engine.tokenizer
+        echoes = [(prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=True)
+                   if tokenizer is not None else "") if body.echo else "" for prompt, ids in zip(sent, prompts)]
+        choices = add_all(prompts, [fitted(prompt, params, "prompt") for prompt in prompts], "prompt")
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
+        scored = params.logprobs is not None
+
+        def echoed(index: int, out: RequestOutput) -> list[dict]:
+            """The legacy logprobs of an echoed prompt (none without echo and logprobs)."""
+            if not (body.echo and scored):
+                return []
+            return [_completion_logprobs(prompts[index], out.prompt_logprobs, pieces, 0)[0]]
 
         if body.stream:
             async def events():
+                started = [False] * len(prompts)
+                offsets = [len(echo) for echo in echoes]  # of each choice's next token in its text
                 async for index, out in choices.merged():
-                    if out.new_text or out.finished:
-                        yield _sse({**head, "choices": [{"index": index, "text": out.new_text or "", "logprobs": None,
+                    text, parts = out.new_text or "", []
+                    if not started[index]:  # the first chunk of a choice carries its echo
+                        started[index] = True
+                        text, parts = echoes[index] + text, echoed(index, out)
+                    if scored and out.new_token_ids:
+                        part, offsets[index] = _completion_logprobs(out.new_token_ids, out.new_logprobs, pieces,
+                                                                    offsets[index])
+                        parts.append(part)
+                    if text or parts or out.finished:
+                        yield _sse({**head, "choices": [{"index": index, "text": text,
+                                                         "logprobs": _joined(parts) if parts else None,
                                                          "finish_reason": FINISH_REASONS.get(out.finish_reason)}]})
                 if body.include_usage:
                     yield _sse({**head, "choices": [], "usage": choices.usage()})
             return streamed(events(), choices)
 
         async def collect():
-            texts, reasons = [""] * len(prompts), [None] * len(prompts)
+            texts, reasons = list(echoes), [None] * len(prompts)
+            token_ids: list[list[int]] = [[] for _ in prompts]
+            entries: list[list[TokenLogprob]] = [[] for _ in prompts]
+            prompt_parts: list[list[dict]] = [[] for _ in prompts]
             async for index, out in choices.merged():
                 texts[index] += out.new_text or ""
                 reasons[index] = FINISH_REASONS.get(out.finish_reason)
-            return {**head, "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                                        for i, (t, r) in enumerate(zip(texts, reasons))], "usage": choices.usage()}
+                token_ids[index] += out.new_token_ids
+                entries[index] += out.new_logprobs or []
+                prompt_parts[index] = prompt_parts[index] or echoed(index, out)
+            logprobs = [_joined(prompt_parts[i] + [_completion_logprobs(token_ids[i], entries[i], pieces,
+                                                                        len(echoes[i]))[0]])
+                        if scored else None for i in range(len(prompts))]
+            return {**head, "choices": [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+                                        for i, (t, lp, r) in enumerate(zip(texts, logprobs, reasons))],
+                    "usage": choices.usage()}
         return await respond(request, choices, collect)
 
     @app.post("/v1/chat/completions")
@@ -292,9 +480,11 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             prompt = engine.engine.chat_prompt(body.chat_messages())
         except ValueError as exc:
             raise BadRequest(str(exc), "messages") from None
+        prompt = encoded(prompt, "messages")
         # Without max_tokens a chat answer may run to the end of the context.
-        max_tokens = body.requested_max_tokens() or max(1, max_seq_len - len(prompt))
-        choices = add_all([prompt], body.sampling_params(max_tokens), "messages")
+        params = sampling_params(body, body.requested_max_tokens() or room(prompt))
+        choices = add_all([prompt], [fitted(prompt, params, "messages")], "messages")
+        scored = params.logprobs is not None
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model_name}
 
@@ -303,9 +493,10 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                 yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
                 async for index, out in choices.merged():
-                    if out.new_text:
-                        yield _sse({**head, "choices": [{"index": index, "delta": {"content": out.new_text},
-                                                         "logprobs": None, "finish_reason": None}]})
+                    if out.new_text or (scored and out.new_token_ids):
+                        yield _sse({**head, "choices": [{"index": index, "delta": {"content": out.new_text or ""},
+                                                         "logprobs": _chat_logprobs(out.new_logprobs, pieces)
+                                                         if scored else None, "finish_reason": None}]})
                     if out.finished:
                         yield _sse({**head, "choices": [{"index": index, "delta": {}, "logprobs": None,
                                                          "finish_reason": FINISH_REASONS.get(out.finish_reason)}]})
@@ -314,12 +505,14 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             return streamed(events(), choices)
 
         async def collect():
-            text, reason = "", None
+            text, reason, entries = "", None, []
             async for _, out in choices.merged():
                 text += out.new_text or ""
                 reason = FINISH_REASONS.get(out.finish_reason)
+                entries += out.new_logprobs or []
             return {**head, "object": "chat.completion",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": _chat_logprobs(entries, pieces) if scored else None,
                                  "finish_reason": reason}], "usage": choices.usage()}
         return await respond(request, choices, collect)
 

@@ -14,7 +14,9 @@ What is counted, and when:
   check_every > 1);
 - when a request finishes: its finish reason, its latency, and its speculative-decoding counters
   from its final DecodeStats (rounds, drafts, acceptances by draft position, drafts per round);
-- at each scrape: the requests running and waiting, read from the engine.
+- at each scrape: the requests running and waiting, read from the engine;
+- as the server refuses them (server/limits.py), requests refused, by reason. A refused request
+  never reaches the engine: none of the figures above counts it.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 
 from ..engine.engine import Engine
 from ..engine.request import FINISH_REASONS, DecodeStats, RequestOutput
+from .limits import REFUSAL_REASONS
 
 PREFIX = "specengine:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -99,6 +102,8 @@ class ServerMetrics:
         self.draft_tokens_per_pos = counter("spec_decode_num_draft_tokens_per_pos",
                                             "Draft tokens proposed at each draft position (0-based): acceptance "
                                             "at a position is accepted_tokens_per_pos over this.", ("position",))
+        self.requests_refused = counter("requests_refused", "HTTP requests the server refused before they reached "
+                                        "the engine, by reason (see server/limits.py).", ("reason",))
         self.rounds_by_gamma = _RoundsByGamma(self.max_gamma)
         registry.register(self.rounds_by_gamma)
         # Every label value known in advance is exposed from the start (at 0), as a rate needs.
@@ -106,9 +111,15 @@ class ServerMetrics:
             self.request_success.labels(reason)
         for source in PROMPT_SOURCES:
             self.prompt_tokens_by_source.labels(source)
+        for reason in REFUSAL_REASONS:
+            self.requests_refused.labels(reason)
         for position in range(self.max_gamma):
             self.accepted_per_pos.labels(str(position))
             self.draft_tokens_per_pos.labels(str(position))
+
+    def refused(self, reason: str):
+        """An HTTP request refused by a limit (one of REFUSAL_REASONS)."""
+        self.requests_refused.labels(reason).inc()
 
     # ---- the AsyncEngine listener ---------------------------------------------------------------
 

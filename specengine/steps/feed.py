@@ -2,6 +2,8 @@
 and moving the loop's small host lists to the device."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..layers.kv_cache import StaticKVCache
@@ -19,7 +21,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def feed(model: Model, cache: StaticKVCache, chunks: list[list[int]],
-         cached: list[int] | None = None, min_width: int = 0) -> torch.Tensor | None:
+         cached: list[int] | None = None, min_width: int = 0, all_positions: bool = False) -> torch.Tensor | None:
     """Append chunks[b] to row b of the cache (chunks may differ in length, even be empty).
 
     Rows are right-padded: the padding writes K/V past the row's length, where it stays
@@ -27,7 +29,8 @@ def feed(model: Model, cache: StaticKVCache, chunks: list[list[int]],
     cached: the cache's lengths as the caller knows them on the host (saves reading them back
     from the device). min_width: pad the call to at least this many tokens per row (a chunk of a
     long prompt takes the GEMM path its whole prefill takes, see prefill_chunks). Returns the
-    hidden state of each row's last chunk token [B, D], or None when all are empty.
+    hidden state of each row's last chunk token [B, D], or None when all are empty;
+    all_positions: every position's instead, [B, T, D] (right-padded like the call).
     """
     lengths = [len(c) for c in chunks]
     T = max(lengths, default=0)
@@ -41,6 +44,8 @@ def feed(model: Model, cache: StaticKVCache, chunks: list[list[int]],
     hidden = model(to_device(padded, torch.int64, device), start, cache, kv_len=longest + T)
     chunk_lengths = to_device(lengths, torch.int64, device)
     cache.lengths.add_(chunk_lengths)
+    if all_positions:
+        return hidden
     rows = torch.arange(len(chunks), device=device)
     return hidden[rows, (chunk_lengths - 1).clamp(min=0)]
 
@@ -71,10 +76,12 @@ def append_prompts(model: Model, cache: StaticKVCache, prompts: list[list[int]],
 
 
 def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: list[int], chunks: list[list[int]],
-                   whole: list[int]) -> list[list[int]]:
+                   whole: list[int], on_hidden: Callable[[int, torch.Tensor], None] | None = None) -> list[list[int]]:
     """Prefill a chunk of each of some staged rows (cache.staged_view): chunks[i] goes into staged
     row rows[i] (ascending), which holds done[i] tokens of a prompt whose prefill is whole[i]
-    tokens in all. Returns the calls made, as lists of indices into rows.
+    tokens in all. Returns the calls made, as lists of indices into rows. on_hidden(i, hidden)
+    is called with the hidden states [len(chunks[i]), D] of every chunk's positions (for a
+    prompt's log-probabilities): the call computed them anyway.
 
     A row's entries are those of its whole prompt prefilled in one call (steps of a joining
     request are not its results' business): a call's products take the GEMM path by its tokens
@@ -102,8 +109,11 @@ def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: li
         view = cache.staged_view(rows[call[0]], len(call))
         cached = [done[i] for i in call]
         view.lengths.copy_(to_device(cached, torch.int64, model.device))
-        feed(model, view, [chunks[i] for i in call], cached,
-             min_width=GEMM_ROWS if whole[call[0]] >= GEMM_ROWS else 0)
+        hidden = feed(model, view, [chunks[i] for i in call], cached,
+                      min_width=GEMM_ROWS if whole[call[0]] >= GEMM_ROWS else 0, all_positions=on_hidden is not None)
+        if on_hidden is not None:
+            for row, i in enumerate(call):
+                on_hidden(i, hidden[row, :len(chunks[i])])
     return calls
 
 
