@@ -5,11 +5,12 @@ same requests."""
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from specengine.engine.costs import cpu_name  # noqa: F401 (the benchmarks' record of the machine)
 
 import torch
 
@@ -120,14 +121,3 @@ class Turns:
         for key, rate in medians.items():
             print(f"{key:{self.key_width}s} {rate:6.1f} tok/s  {speedup[key]:4.2f}x" + alpha_note(alpha.get(key)))
         return dict(tok_s=medians, speedup=speedup, runs=self.rates, alpha=alpha)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), for a result's record of the machine."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

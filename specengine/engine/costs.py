@@ -165,7 +165,8 @@ def files_identity(path: str | Path) -> list[list]:
     return [[str(p), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -180,7 +181,7 @@ def machine_identity(device: torch.device) -> dict:
     """What the step costs depend on besides the models: the processor, its threads, the kernels."""
     from .. import __version__
 
-    identity = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+    identity = {"cpu": cpu_name(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                 "torch": torch.__version__, "specengine": __version__, "device": str(device)}
     try:
         from .. import _C
