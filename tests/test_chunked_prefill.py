@@ -11,7 +11,7 @@ from specengine.drafters.model import ModelDrafter
 from specengine.drafters.ngram import NgramDrafter
 from specengine.engine.batch import RunningBatch
 from specengine.engine.config import EngineConfig
-from specengine.engine.prefill_budget import PrefillBudget
+from specengine.engine.prefill_budget import PrefillBudget, PrefillShare
 from specengine.engine.request import DecodeStats, Request
 
 from engine_util import tiny_model
@@ -47,16 +47,19 @@ def request(tokens: list[int], request_id: str = "r") -> Request:
     return Request(request_id, tokens, SamplingParams(), 0, DecodeStats(gamma=0, prompt_tokens=len(tokens)))
 
 
-def prefilled_rows(model, prompts: list[list[int]], budget: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each prompt's K/V entries after a prefill under this budget a step (all prompts joining at once)."""
+def prefilled_rows(model, prompts: list[list[int]], budget: int | None,
+                   layers: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each prompt's K/V entries after a prefill under this budget a step, `layers` of a chunk's
+    layers a step (all prompts joining at once)."""
     batch = RunningBatch(model, None, None, 1024)
     steps = 0
     with torch.inference_mode():
         batch.stage([request(p, str(i)) for i, p in enumerate(prompts)])
         while batch.joining:
-            batch.prefill(budget)
+            batch.prefill(budget, layers)
             steps += 1
-    assert steps >= (1 if budget is None else -(-sum(len(p) - 1 for p in prompts) // budget))
+    chunks = 1 if budget is None else -(-sum(len(p) - 1 for p in prompts) // budget)
+    assert steps >= chunks * (1 if layers is None else -(-len(model.model.layers) // layers))
     rows = {r.request_id: i for i, r in enumerate(batch.requests)}
     return [(batch.cache.k[:, rows[str(i)], :len(p) - 1].clone(), batch.cache.v[:, rows[str(i)], :len(p) - 1].clone())
             for i, p in enumerate(prompts)]
@@ -70,10 +73,11 @@ def test_cache_entries_are_those_of_an_unchunked_prefill_at_every_chunk_edge(mod
     lengths = [2, 31, 32, 33, 34, 64, 65, 66, 128, 129, 130, 200]
     prompts = [prompt(n, seed=n, vocab=vocab) for n in lengths]
     whole = [prefilled_rows(model, [p], None)[0] for p in prompts]
-    for budget in (32, 96):
-        chunked = prefilled_rows(model, prompts, budget)  # FIFO: chunks end mid-prompt and at prompt ends
+    for budget, layers in ((32, None), (96, None), (32, 1)):
+        # FIFO: chunks end mid-prompt and at prompt ends; with layers, a chunk's forward over two steps
+        chunked = prefilled_rows(model, prompts, budget, layers)
         for p, want, got in zip(prompts, whole, chunked):
-            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (len(p), budget)
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (len(p), budget, layers)
 
 
 def make_engine(models, drafter="model", **kwargs):
@@ -129,6 +133,55 @@ def test_a_long_prompt_joins_a_chunk_a_step_and_running_rows_keep_their_pace(mod
     assert steps_to_join == 5  # 299 tokens: 64 a step
     assert joiner in {r.request_id for r in engine.scheduler.running}
     assert engine.scheduler.running[-1].stats.target_calls == 6  # five chunks, one round
+
+
+class OneLayerAStep(PrefillBudget):
+    """The auto budget as it is when a chunk takes longer than a round: 32 tokens, one layer a step."""
+
+    def next(self, decoding: bool) -> PrefillShare:
+        return PrefillShare(32, 1) if decoding else PrefillShare(None)
+
+
+@pytest.mark.parametrize("drafter", ["model", "none"])
+def test_chunks_run_a_few_layers_a_step_with_the_tokens_of_an_unchunked_prefill(models, drafter):
+    """A chunk's forward spread over steps while rows decode, join and leave, a request is aborted
+    and another's prompt is all in the prefix cache (it joins while chunks are pending): outputs
+    are those of whole prompts."""
+    target, draft = models
+    cached_prompt = prompt(64 + 1, seed=41)  # two prefix-cache blocks, then its last token
+    specs = [(prompt(200, seed=40), SamplingParams(max_new_tokens=12, temperature=1.0, seed=1)),
+             (cached_prompt, SamplingParams(max_new_tokens=6, temperature=0.0)),
+             (prompt(150, seed=42), SamplingParams(max_new_tokens=8, temperature=0.7, seed=2)),
+             (prompt(90, seed=43), SamplingParams(max_new_tokens=5, temperature=0.0))]
+    unchunked = make_engine(models, drafter, prefill_chunk_tokens=None)
+    want = [unchunked.generate([p], s)[0].token_ids for p, s in specs]
+
+    chosen = ModelDrafter(draft, V, V) if drafter == "model" else None
+    engine = Engine(target, drafter=chosen, gamma=3, prefill_chunk_tokens="auto")
+    engine.prefill_budget = OneLayerAStep("auto")
+    engine.generate([cached_prompt], SamplingParams(max_new_tokens=1))  # its blocks into the prefix cache
+    runner = engine.add_request(prompt(5), SamplingParams(max_new_tokens=60, temperature=0))
+    outputs, step, pending_seen = {runner: engine.step()[0].new_token_ids}, 0, 0
+    ids = [engine.add_request(specs[0][0], specs[0][1], "long")]
+    while engine.has_unfinished_requests() or engine.has_pending_outputs():
+        if step == 1:  # mid-chunk: the cached prompt joins whole, ahead of the pending chunk's row
+            assert engine.scheduler.batch.pending is not None
+            ids += [engine.add_request(specs[1][0], specs[1][1], "cached"),
+                    engine.add_request(specs[2][0], specs[2][1], "aborted")]
+        if step == 4:
+            assert engine.abort("aborted")
+        if step == 6:
+            ids.append(engine.add_request(specs[3][0], specs[3][1], "later"))
+        pending_seen += engine.scheduler.batch.pending is not None
+        decoding = {r.request_id for r in engine.scheduler.running}
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert out.new_token_ids or out.request_id not in decoding or out.finished
+        step += 1
+    assert pending_seen >= 7  # seven chunks of the long prompt, at least
+    assert outputs["long"] == want[0] and outputs["cached"] == want[1] and outputs["later"] == want[3]
+    assert outputs["aborted"] == [] and len(outputs[runner]) == 60
+    assert engine.cache_rows_in_use == engine.num_running == 0
 
 
 @pytest.mark.parametrize("which", ["first", "middle", "last"])
@@ -189,16 +242,31 @@ def test_t5_encoder_is_prefilled_by_blocks_with_the_same_tokens(tmp_path):
 
 
 def test_the_auto_budget_follows_the_measured_times():
-    budget = PrefillBudget("auto")
-    assert budget.next(decoding=False) is None  # nobody waits: whole prompts
-    assert budget.next(decoding=True) == 32     # nothing measured yet: the least chunk
-    budget.observe_prefill(256, 0.256)          # 1 ms a token
+    budget = PrefillBudget("auto")              # a chunk's forward cannot be cut by layers
+    assert budget.next(decoding=False) == PrefillShare(None)  # nobody waits: whole prompts
+    assert budget.next(decoding=True) == PrefillShare(32)     # nothing measured yet: the least chunk
+    budget.observe_prefill(256, 1.0, 0.256)     # 1 ms a token
     budget.observe_round(0.150)
-    assert budget.next(decoding=True) == 160    # about a round's time, in multiples of 32
+    assert budget.next(decoding=True) == PrefillShare(160)    # about a round's time, in multiples of 32
     for _ in range(20):                         # smoothed: rounds of 10 ms for a while
         budget.observe_round(0.010)
-    assert budget.next(decoding=True) == 32     # at least 32
-    assert PrefillBudget(192).next(decoding=False) == 192 and PrefillBudget(None).next(decoding=True) is None
+    assert budget.next(decoding=True) == PrefillShare(32)     # at least 32
+    assert PrefillBudget(192).next(decoding=False) == PrefillShare(192)
+    assert PrefillBudget(None).next(decoding=True) == PrefillShare(None)
+
+
+def test_the_auto_budget_spreads_a_chunk_longer_than_a_round_over_layers():
+    budget = PrefillBudget("auto", layers=30)
+    assert budget.next(decoding=False) == PrefillShare(None)      # nobody waits: whole prompts, all layers
+    assert budget.next(decoding=True) == PrefillShare(32, 8)      # nothing measured: a quarter of the layers
+    budget.observe_prefill(32, 8 / 30, 0.016)   # 8 of 30 layers of 32 tokens in 16 ms: 60 ms a chunk
+    budget.observe_round(0.020)
+    assert budget.next(decoding=True) == PrefillShare(32, 10)     # a third of a chunk's time: a third of its layers
+    budget.observe_prefill(32, 10 / 30, 0.040)  # slower (further into the prompt): counts at once
+    assert budget.next(decoding=True) == PrefillShare(32, 5)
+    for _ in range(20):
+        budget.observe_round(0.500)              # rounds far longer than a chunk: whole chunks again
+    assert budget.next(decoding=True).layers is None
 
 
 @pytest.mark.parametrize("value", [16, 100, -64, 1.5, "whole", True])

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..drafters.base import Drafter
 from ..layers.kv_cache import StaticKVCache
 from ..sampling.batch import SamplingBatch
-from ..steps.feed import prefill_chunks
+from ..steps.feed import PrefillCall, continue_prefill, prefill_chunks, start_prefill
 from ..steps.graphs import FixedShapeSteps
 from .outputs import score_prompt_chunk
 from .prefill_budget import CHUNK
@@ -45,6 +45,23 @@ class Joining:
         return self.done == len(self.prefill) and self.encoded
 
 
+@dataclass(eq=False)
+class PendingChunks:
+    """A step's chunks whose target forward runs a few layers a step (PrefillCall.run). Their
+    staged rows keep their places meanwhile: the rows before them are requests whose chunks came
+    first, which cannot finish while these are pending, and a row dropped forgets them."""
+    work: list[tuple[Joining, int]]   # the requests and their chunks' tokens
+    calls: list[PrefillCall]          # the target's forwards over them
+
+
+@dataclass
+class PrefillStep:
+    """What a step's prefill did."""
+    joined: list[Request]   # requests whose prefill is done: they decode from the next round
+    tokens: int             # prompt tokens of the chunks it worked on
+    share: float            # of those chunks' target layers, the share it ran (1.0: whole chunks)
+
+
 class RunningBatch:
     def __init__(self, target, drafter: Drafter | None, target_steps: FixedShapeSteps | None,
                  max_seq_len: int, prefix_cache: PrefixCache | None = None):
@@ -57,6 +74,7 @@ class RunningBatch:
         self.cache: StaticKVCache | None = target_steps.new_batch(0) if target_steps is not None else None
         self.draft_cache: StaticKVCache | None = None  # the drafter's staged_cache, once rows were staged
         self.sampling: SamplingBatch | None = None  # the rows' sampling parameters, None without rows
+        self.pending: PendingChunks | None = None  # chunks whose target layers are not all run yet
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -127,16 +145,17 @@ class RunningBatch:
         for _, cache in self._models():  # what the rows hold (layers.kv_cache's entries_end_at_lengths)
             cache.staged_view(staged, 1).lengths.fill_(j.done)
 
-    def prefill(self, budget: int | None) -> tuple[list[Request], int]:
+    def prefill(self, budget: int | None, layers: int | None = None) -> PrefillStep:
         """Prefill the joining requests, the oldest first, up to `budget` prompt tokens (None: no
-        limit); those whose prefill is done join the rows in use. Returns them and the tokens prefilled."""
+        limit), running `layers` of a chunk's target layers (None: all; chunks left pending by an
+        earlier step are carried on first); those whose prefill is done join the rows in use."""
         if self.target.is_encoder_decoder:
-            spent = self._encode(budget)
+            tokens, share = self._encode(budget), 1.0
         else:
-            spent = self._feed(budget)
+            tokens, share = self._feed(budget, layers)
         finished = [i for i, j in enumerate(self.joining) if j.finished]
         if not finished:
-            return [], spent
+            return PrefillStep([], tokens, share)
         joined = [self.joining[i] for i in finished]
         for _, cache in self._models():  # their lengths as prefilled (see prefill_chunks)
             for i, j in zip(finished, joined):
@@ -149,11 +168,41 @@ class RunningBatch:
             self.drafter.join_rows([r.sequence_start for r in requests], self.cache.capacity, sources)
         self.requests += requests
         self._sampling()
-        return requests, spent
+        return PrefillStep(requests, tokens, share)
 
-    def _feed(self, budget: int | None) -> int:
+    def _feed(self, budget: int | None, layers: int | None) -> tuple[int, float]:
         """One step's chunks of the decoder-only prompts: the oldest request first, each chunk
-        ending at a multiple of CHUNK tokens or at the prompt's end."""
+        ending at a multiple of CHUNK tokens or at the prompt's end; `layers` of their target
+        layers (None: all). Returns the chunks' tokens and the share of their layers run."""
+        if self.pending is None:
+            self.pending = self._start_chunks(budget)
+            if self.pending is None:
+                return 0, 1.0
+        pending = self.pending
+        before = pending.calls[0].run.layers_done
+        scored = any(j.request.prompt_logprobs is not None for j, _ in pending.work)
+        done = [j.done for j, _ in pending.work]
+        on_hidden = ((lambda i, hidden: score_prompt_chunk(self.target, pending.work[i][0].request, done[i], hidden))
+                     if scored else None)
+        finished = continue_prefill(self.target, self.cache, pending.calls, layers, on_hidden)
+        tokens = sum(n for _, n in pending.work)
+        share = (pending.calls[0].run.layers_done - before) / len(self.target.model.layers)
+        if not finished:
+            return tokens, share
+        self.pending = None
+        for call in pending.calls:
+            for i in call.chunks:
+                pending.work[i][0].request.stats.target_calls += 1
+        for j, n in pending.work:
+            j.done += n
+        if self.prefix_cache is not None:
+            for j, _ in pending.work:
+                self._to_prefix_cache(self.joining.index(j), j)
+        return tokens, share
+
+    def _start_chunks(self, budget: int | None) -> PendingChunks | None:
+        """Choose the step's chunks (None: nothing to prefill), start the target's forwards over
+        them and run the draft model's whole: a draft model is a fraction of the target's cost."""
         work: list[tuple[int, Joining, int]] = []  # (staged row, request, tokens)
         left = budget
         for i, j in enumerate(self.joining):
@@ -167,24 +216,14 @@ class RunningBatch:
             if left is not None:
                 left -= n
         if not work:
-            return 0
+            return None
         rows, done = [i for i, _, _ in work], [j.done for _, j, _ in work]
         chunks = [j.prefill[j.done:j.done + n] for _, j, n in work]
         whole = [len(j.prefill) for _, j, _ in work]
-        scored = any(j.request.prompt_logprobs is not None for _, j, _ in work)
-        for model, cache in self._models():
-            on_hidden = ((lambda i, hidden: score_prompt_chunk(self.target, work[i][1].request, done[i], hidden))
-                         if scored and model is self.target else None)
-            calls = prefill_chunks(model, cache, rows, done, chunks, whole, on_hidden)
-        for call in calls:
-            for i in call:
-                work[i][1].request.stats.target_calls += 1
-        for _, j, n in work:
-            j.done += n
-        if self.prefix_cache is not None:
-            for i, j, _ in work:
-                self._to_prefix_cache(i, j)
-        return sum(n for *_, n in work)
+        if self.draft_cache is not None:
+            prefill_chunks(self.drafter.model, self.draft_cache, rows, done, chunks, whole)
+        calls = start_prefill(self.target, self.cache, rows, done, chunks, whole)
+        return PendingChunks([(j, n) for _, j, n in work], calls)
 
     def _to_prefix_cache(self, staged: int, j: Joining):
         """Give the prefix cache the blocks of j's prompt that its prefill has now completed."""
@@ -242,12 +281,13 @@ class RunningBatch:
         if not staged:
             return
         self.joining = [j for j in self.joining if j not in leaving]
+        self.pending = None  # the rows it was for moved: those left start their chunks again
         for _, cache in self._models():
             cache.drop_staged(staged)
 
     def drop_all_joining(self):
         """Forget every staged row (after a failed prefill: nothing on the device is touched)."""
-        self.joining = []
+        self.joining, self.pending = [], None
         for _, cache in self._models():
             cache.staged = 0
 
@@ -284,7 +324,7 @@ class RunningBatch:
 
     def clear(self):
         """Drop every row, staged ones too, whatever state the caches are in (after a failure)."""
-        self.requests, self.joining = [], []
+        self.requests, self.joining, self.pending = [], [], None
         for _, cache in self._models():
             cache.clear()
         if self.drafter is not None:

@@ -108,7 +108,10 @@ class Engine:
                        else config.prefix_cache_bytes)
         self.prefix_cache = (PrefixCache(cache_bytes) if cache_bytes and not target.is_encoder_decoder
                              else None)
-        self.prefill_budget = PrefillBudget(config.prefill_chunk_tokens, target.tp)
+        # A decoder-only target's chunk may run a few layers a step (engine.batch); an encoder's
+        # prefill is cut by encoder blocks instead.
+        self.prefill_budget = PrefillBudget(config.prefill_chunk_tokens, target.tp,
+                                            None if target.is_encoder_decoder else len(target.model.layers))
         self.scheduler = Scheduler(RunningBatch(target, drafter, self.target_steps, self.max_seq_len,
                                                 self.prefix_cache), config.max_batch_size)
         self.outputs = Outputs(tokenizer, self.eos_token_ids, self.max_seq_len)
@@ -269,14 +272,14 @@ class Engine:
             controller.costs_by_batch.cover(rows)
             for r in joining:
                 r.acceptance = controller.new_estimate(rows, greedy=r.params.temperature == 0)
-        budget = self.prefill_budget.next(decoding=bool(scheduler.running))
+        share = self.prefill_budget.next(decoding=bool(scheduler.running))
         with self.phases("prefill"):
             if joining:
                 scheduler.stage(joining)
             start = time.perf_counter()
-            joined, tokens = scheduler.prefill(budget)
-        self.prefill_budget.observe_prefill(tokens, time.perf_counter() - start)
-        return bool(joined)
+            done = scheduler.prefill(share)
+        self.prefill_budget.observe_prefill(done.tokens, done.share, time.perf_counter() - start)
+        return bool(done.joined)
 
     def _run_round(self, joined: bool) -> InvalidLogitsError | None:
         """One round (or a block of rounds) for every running request, applied to each. A row whose

@@ -1,4 +1,4 @@
-"""How many prompt tokens a step may prefill (EngineConfig.prefill_chunk_tokens).
+"""How much prompt a step may prefill (EngineConfig.prefill_chunk_tokens).
 
 A joining request's prompt is prefilled a chunk a step, in the same step as a round of the rows
 already decoding (engine.batch), so that those rows are held up by one chunk, not by the whole
@@ -7,20 +7,25 @@ prompt. The budget is the tokens of all of a step's chunks:
   an int   that many tokens a step, a multiple of CHUNK (chunks end on its multiples);
   None     no limit: every joining prompt is prefilled whole in its first step;
   "auto"   no limit while nothing decodes (nobody waits); while rows decode, what the prefill runs
-           in about the time of a round, in multiples of CHUNK (at least one): a decoding row's step
-           then takes about twice its round, and a prompt joins at about half the machine's prefill
-           speed. Both times are measured as they run, so the budget follows the device, the
-           models and the batch. With a split target every rank takes rank 0's budget (the ranks'
-           calls must match).
+           in about the time of a round: a decoding row's step then takes about twice its round,
+           and a prompt joins at about half the machine's prefill speed. That is a multiple of
+           CHUNK tokens while a chunk takes less than a round; when one chunk takes longer, the
+           chunk's target forward is spread over steps, a share of its layers a step
+           (models.llama.forward_layers), so that no step waits for a whole chunk. Both times are
+           measured as they run, so the budget follows the device, the models and the batch. With
+           a split target every rank takes rank 0's budget (the ranks' calls must match).
 
 A chunk's time per token is learnt from chunks only: a whole prompt prefilled while nothing
 decodes spreads each call's fixed cost (every weight read and dequantized for the GEMMs) over all
 its tokens and rows, so its time per token understates a chunk's. A chunk also costs more the
 further into its prompt it lies (its attention reads more keys: SmolLM2-135M's 32-token chunk
 took about 55 ms at the start of a 1,500-token prompt and 90 ms at its end, on 2 cores), so a
-slower chunk counts at once, while a faster one is only averaged in.
+slower chunk counts at once, while a faster one is only averaged in. A step that ran a share of a
+chunk's layers counts as that share of its tokens.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..layers.linear import GEMM_ROWS
 
@@ -30,39 +35,59 @@ from ..layers.linear import GEMM_ROWS
 CHUNK = GEMM_ROWS
 
 
+@dataclass(frozen=True)
+class PrefillShare:
+    """What one step may prefill."""
+    tokens: int | None        # prompt tokens of the chunks it may start (None: no limit)
+    layers: int | None = None  # of a chunk's target layers, how many a step runs (None: all at once)
+
+
 class PrefillBudget:
     # Smoothing of the measured times (the weight of the newest).
     WEIGHT = 0.3
 
-    def __init__(self, setting: int | str | None, tp=None):
-        self.setting, self.tp = setting, tp
+    def __init__(self, setting: int | str | None, tp=None, layers: int | None = None):
+        """layers: the target's decoder layers, when a chunk's forward can be spread over steps
+        (models.llama.forward_layers); None when it cannot (an encoder-decoder's prefill is cut
+        by encoder blocks instead)."""
+        self.setting, self.tp, self.layers = setting, tp, layers
         self.prefill_s_per_token: float | None = None  # of chunks (see the module)
         self.round_s: float | None = None
         self._chunked = False  # whether the last budget given was a limit (next)
 
-    def next(self, decoding: bool) -> int | None:
-        """The budget of the next step's prefill (None: no limit); decoding: whether rows decode."""
+    def next(self, decoding: bool) -> PrefillShare:
+        """What the next step may prefill; decoding: whether rows decode."""
         if self.setting != "auto":
-            return self.setting
-        if not decoding:
-            budget = None
-        elif self.prefill_s_per_token is None or self.round_s is None:
-            budget = CHUNK
-        else:
-            budget = max(1, round(self.round_s / self.prefill_s_per_token / CHUNK)) * CHUNK
+            return PrefillShare(self.setting)
+        tokens = layers = None
+        if decoding:
+            tokens = CHUNK
+            if self.prefill_s_per_token is not None and self.round_s is not None:
+                chunks = self.round_s / (self.prefill_s_per_token * CHUNK)  # a round's time, in chunks
+                if chunks >= 1 or self.layers is None:
+                    tokens = max(1, round(chunks)) * CHUNK
+                else:
+                    layers = max(1, round(chunks * self.layers))
+                    layers = None if layers >= self.layers else layers
+            elif self.layers is not None:  # nothing measured: a quarter of a chunk, measured so
+                layers = -(-self.layers // 4)
         if self.tp is not None:  # timings differ between ranks: rank 0's budget for all
-            budget = self.tp.broadcast_int(-1 if budget is None else budget)
-            budget = None if budget < 0 else budget
-        self._chunked = budget is not None
-        return budget
+            tokens, layers = self._rank0s(tokens), self._rank0s(layers)
+        self._chunked = tokens is not None
+        return PrefillShare(tokens, layers)
 
-    def observe_prefill(self, tokens: int, seconds: float):
-        """A step's prefill of `tokens` prompt tokens took `seconds` (draft model included), under
-        the budget next() gave last."""
+    def _rank0s(self, n: int | None) -> int | None:
+        n = self.tp.broadcast_int(-1 if n is None else n)
+        return None if n < 0 else n
+
+    def observe_prefill(self, tokens: int, share: float, seconds: float):
+        """A step's prefill worked on chunks of `tokens` prompt tokens, running `share` of their
+        target layers (1.0: whole chunks), in `seconds` (draft model included), under the budget
+        next() gave last."""
         # Shorter prompts take other products (layers.linear), and unlimited steps prefill whole
         # prompts: neither is the chunks' pace.
-        if self._chunked and tokens >= CHUNK:
-            rate = seconds / tokens
+        if self._chunked and tokens >= CHUNK and share > 0:
+            rate = seconds / (tokens * share)
             old = self.prefill_s_per_token
             self.prefill_s_per_token = rate if old is None or rate > old else self._smooth(old, rate)
 

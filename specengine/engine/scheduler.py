@@ -16,7 +16,8 @@ import logging
 import time
 from collections import deque
 
-from .batch import RunningBatch
+from .batch import PrefillStep, RunningBatch
+from .prefill_budget import PrefillShare
 from .request import Request
 
 log = logging.getLogger("specengine")
@@ -62,12 +63,12 @@ class Scheduler:
             self._end_joining(exc)
             raise
 
-    def prefill(self, budget: int | None) -> tuple[list[Request], int]:
-        """Prefill the requests holding staged rows, up to `budget` tokens; those done join the
-        running rows (returned, with the tokens prefilled). Should it fail, the rows running stay
-        as they were and the requests being prefilled end (then it raises)."""
+    def prefill(self, share: PrefillShare) -> PrefillStep:
+        """Prefill the requests holding staged rows, as much as `share` allows; those done join the
+        running rows. Should it fail, the rows running stay as they were and the requests being
+        prefilled end (then it raises)."""
         try:
-            return self.batch.prefill(budget)
+            return self.batch.prefill(share.tokens, share.layers)
         except BaseException as exc:
             self._end_joining(exc)
             raise

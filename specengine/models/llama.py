@@ -40,6 +40,19 @@ class StepInputs:
     mask: torch.Tensor | None  # [B, 1, T, kv_len] bool for the reference attention (None for the others)
 
 
+@dataclass
+class PartialForward:
+    """A forward cut between decoder layers (LlamaModel.forward_layers), so that a long prompt's
+    chunk can be spread over several steps of the engine: what the layers still to run need."""
+
+    tokens: torch.Tensor            # [B, T] int64
+    positions: torch.Tensor         # [B, T] int64, absolute position of each token
+    kv_len: int                     # as forward's
+    x: torch.Tensor | None = None   # [B, T, D] the residual stream after layers_done layers
+    delta: torch.Tensor | None = None  # [B, T, D] the last layer's output, which the next norm adds to x
+    layers_done: int = 0
+
+
 def _matrix(in_features: int, out_features: int, bias: bool, stored: bool) -> nn.Module:
     """A projection: over a matrix as a GGUF file stores it (layers.blocks), or a dense one."""
     return BlockLinear(in_features, out_features, bias) if stored else Linear(in_features, out_features, bias=bias)
@@ -269,30 +282,47 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
         (normally its cache length). kv_len, if given, must be max(start_pos) + T: the host
         usually knows it, and passing it avoids a device sync.
         """
+        return self.forward_layers(self.start_forward(tokens, start_pos, kv_len), cache)
+
+    def start_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor,
+                      kv_len: int | None = None) -> "PartialForward":
+        """A forward over no layer yet (arguments as forward's), for forward_layers to run."""
         positions = start_pos[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
         if kv_len is None:
             kv_len = int(positions.max()) + 1
-        kv_len = min(kv_len, cache.capacity)
-        return self.run_on_backend(self._forward, tokens, positions, cache, kv_len)
+        return PartialForward(tokens, positions, kv_len)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, kv_len: int,
-                 backend: Backend) -> torch.Tensor:
-        T, c = tokens.shape[1], self.config
+    def forward_layers(self, run: "PartialForward", cache: StaticKVCache, layers: int | None = None) -> torch.Tensor | None:
+        """Run the next `layers` decoder layers of `run` (None: those left), writing their keys and
+        values into the cache's rows. Returns the hidden states [B, T, D] after the final norm once
+        the last layer has run, else None. Between two calls the cache may have moved or grown (its
+        rows' entries kept) but its rows must be the same requests'."""
+        return self.run_on_backend(self._forward_layers, run, cache, layers)
+
+    def _forward_layers(self, run: "PartialForward", cache: StaticKVCache, layers: int | None,
+                        backend: Backend) -> torch.Tensor | None:
+        T, c = run.tokens.shape[1], self.config
+        kv_len = min(run.kv_len, cache.capacity)
         # Real tokens sit below the capacity; padding starts at most at it (the spill slot).
-        cos, sin = self.rope_at(positions, cache.capacity + T)
+        cos, sin = self.rope_at(run.positions, cache.capacity + T)
         # Each query sees keys at or before its own position: the row's valid prefix plus the
         # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
-        mask = attention_mask(positions, kv_len, c.sliding_window) if backend.impl == "reference" else None
-        step = StepInputs(positions, cos, sin, kv_len, backend.impl, mask)
+        mask = attention_mask(run.positions, kv_len, c.sliding_window) if backend.impl == "reference" else None
+        step = StepInputs(run.positions, cos, sin, kv_len, backend.impl, mask)
         # A prefill-sized call runs op by op, its products GEMMs (see layers.linear).
         whole_layers = self.whole_layer_weights() if backend.whole_layers and T < GEMM_ROWS else None
-        x, delta = self.embed(tokens), None
-        for i, layer in enumerate(self.model.layers):
+        # The embedding is made here, not kept from an earlier failed try (models.backend's fallback).
+        x, delta = (self.embed(run.tokens), None) if run.layers_done == 0 else (run.x, run.delta)
+        end = len(self.model.layers) if layers is None else min(len(self.model.layers), run.layers_done + layers)
+        for i in range(run.layers_done, end):
             if whole_layers is not None:  # one C++ call, x updated in place
                 decoder_layer(x, whole_layers[i], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, cos, sin,
-                              positions, *cache.layer(i), kv_len, c.sliding_window, check=ops.CHECK_MODEL_CALLS)
+                              run.positions, *cache.layer(i), kv_len, c.sliding_window, check=ops.CHECK_MODEL_CALLS)
             else:
-                x, delta = layer(x, delta, step, cache)
+                x, delta = self.model.layers[i](x, delta, step, cache)
+        run.x, run.delta, run.layers_done = x, delta, end
+        if end < len(self.model.layers):
+            return None
         return self.model.norm.add_and_norm(x, delta, backend.impl)[1]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,13 @@ and moving the loop's small host lists to the device."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..layers.kv_cache import StaticKVCache
 from ..layers.linear import GEMM_ROWS
+from ..models.llama import PartialForward
 from ..models.loader import Model
 
 
@@ -75,13 +77,32 @@ def append_prompts(model: Model, cache: StaticKVCache, prompts: list[list[int]],
             feed(model, rows, [prompts[i][:-1] for i in group], cached=[0] * len(group))
 
 
+@dataclass(eq=False)
+class PrefillCall:
+    """One forward of a prefill: the chunks of consecutive staged rows, padded to one width. It
+    may run a few layers at a time (PartialForward), a step's share of a long prompt's chunk."""
+    chunks: list[int]        # indices into the step's chunks, one per row
+    first_row: int           # the first of its rows (cache.staged_view)
+    lengths: list[int]       # real tokens of each row's chunk
+    run: PartialForward
+
+
 def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: list[int], chunks: list[list[int]],
                    whole: list[int], on_hidden: Callable[[int, torch.Tensor], None] | None = None) -> list[list[int]]:
-    """Prefill a chunk of each of some staged rows (cache.staged_view): chunks[i] goes into staged
-    row rows[i] (ascending), which holds done[i] tokens of a prompt whose prefill is whole[i]
-    tokens in all. Returns the calls made, as lists of indices into rows. on_hidden(i, hidden)
-    is called with the hidden states [len(chunks[i]), D] of every chunk's positions (for a
-    prompt's log-probabilities): the call computed them anyway.
+    """Prefill a chunk of each of some staged rows (cache.staged_view), all layers at once:
+    start_prefill then continue_prefill. Returns the calls made, as lists of indices into rows."""
+    calls = start_prefill(model, cache, rows, done, chunks, whole)
+    continue_prefill(model, cache, calls, on_hidden=on_hidden)
+    return [call.chunks for call in calls]
+
+
+def start_prefill(model: Model, cache: StaticKVCache, rows: list[int], done: list[int], chunks: list[list[int]],
+                  whole: list[int]) -> list[PrefillCall]:
+    """The calls that prefill a chunk of each of some staged rows: chunks[i] goes into staged row
+    rows[i] (ascending), which holds done[i] tokens of a prompt whose prefill is whole[i] tokens
+    in all. No layer has run yet (continue_prefill runs them), but each row's length already
+    counts its chunk: a cache that grows or moves its rows between the calls' layers copies a
+    row's entries up to its length (layers.kv_cache), so the layers run so far are kept.
 
     A row's entries are those of its whole prompt prefilled in one call (steps of a joining
     request are not its results' business): a call's products take the GEMM path by its tokens
@@ -89,32 +110,52 @@ def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: li
     each query on its own over the keys before it. So a chunk of a prompt of GEMM_ROWS tokens or
     more is fed in a call of at least GEMM_ROWS tokens per row (padded), with other such chunks of
     consecutive rows and similar lengths; a shorter prompt whole, with other short ones alike.
-    Each row's length is set from `done` first: a padded bucket of fixed-shape steps may have
-    moved a staged row's length (see layers.kv_cache)."""
-    calls: list[list[int]] = []
+    Each row's length is set from `done`: a padded bucket of fixed-shape steps may have moved a
+    staged row's length (see layers.kv_cache)."""
+    groups: list[list[int]] = []
     longest = real = 0
     for i, (chunk, n) in enumerate(zip(chunks, whole)):
         size = len(chunk)
-        if calls:
-            last = calls[-1]
+        if groups:
+            last = groups[-1]
             grown = max(longest, size)
             if (rows[i] == rows[last[-1]] + 1 and (n >= GEMM_ROWS) == (whole[last[0]] >= GEMM_ROWS)
                     and (len(last) + 1) * grown <= real + size + max((real + size) // 4, 64)):
                 last.append(i)
                 longest, real = grown, real + size
                 continue
-        calls.append([i])
+        groups.append([i])
         longest = real = size
-    for call in calls:
-        view = cache.staged_view(rows[call[0]], len(call))
-        cached = [done[i] for i in call]
-        view.lengths.copy_(to_device(cached, torch.int64, model.device))
-        hidden = feed(model, view, [chunks[i] for i in call], cached,
-                      min_width=GEMM_ROWS if whole[call[0]] >= GEMM_ROWS else 0, all_positions=on_hidden is not None)
-        if on_hidden is not None:
-            for row, i in enumerate(call):
-                on_hidden(i, hidden[row, :len(chunks[i])])
+    calls = []
+    for group in groups:
+        lengths = [len(chunks[i]) for i in group]
+        width = max(max(lengths), GEMM_ROWS if whole[group[0]] >= GEMM_ROWS else 0)
+        # Right-padded: the padding writes entries past the row's length, masked until real
+        # tokens overwrite them.
+        tokens = to_device([chunks[i] + [0] * (width - len(chunks[i])) for i in group], torch.int64, model.device)
+        start = to_device([done[i] for i in group], torch.int64, model.device)
+        cache.staged_view(rows[group[0]], len(group)).lengths.copy_(
+            start + to_device(lengths, torch.int64, model.device))
+        run = model.start_forward(tokens, start, kv_len=max(done[i] for i in group) + width)
+        calls.append(PrefillCall(group, rows[group[0]], lengths, run))
     return calls
+
+
+def continue_prefill(model: Model, cache: StaticKVCache, calls: list[PrefillCall], layers: int | None = None,
+                     on_hidden: Callable[[int, torch.Tensor], None] | None = None) -> bool:
+    """Run the next `layers` decoder layers of each call (None: all it has left); whether every
+    call has now run its last. on_hidden(i, hidden) is then called with the hidden states
+    [len(chunks[i]), D] of every position of chunk i (for a prompt's log-probabilities): the
+    call computed them anyway."""
+    finished = True
+    for call in calls:
+        hidden = model.forward_layers(call.run, cache.staged_view(call.first_row, len(call.chunks)), layers)
+        if hidden is None:
+            finished = False
+        elif on_hidden is not None:
+            for row, (i, n) in enumerate(zip(call.chunks, call.lengths)):
+                on_hidden(i, hidden[row, :n])
+    return finished
 
 
 def _similar_lengths(lengths: list[int]) -> list[list[int]]:
