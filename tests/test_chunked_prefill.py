@@ -13,6 +13,7 @@ from specengine.engine.batch import RunningBatch
 from specengine.engine.config import EngineConfig
 from specengine.engine.prefill_budget import PrefillBudget, PrefillShare
 from specengine.engine.request import DecodeStats, Request
+from specengine.engine.scheduler import Scheduler
 
 from engine_util import tiny_model
 
@@ -51,12 +52,12 @@ def prefilled_rows(model, prompts: list[list[int]], budget: int | None,
                    layers: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each prompt's K/V entries after a prefill under this budget a step, `layers` of a chunk's
     layers a step (all prompts joining at once)."""
-    batch = RunningBatch(model, None, None, 1024)
-    steps = 0
+    scheduler = Scheduler(RunningBatch(model, None, None, 1024), None)
+    batch, steps = scheduler.batch, 0
     with torch.inference_mode():
-        batch.stage([request(p, str(i)) for i, p in enumerate(prompts)])
+        scheduler.stage([request(p, str(i)) for i, p in enumerate(prompts)])
         while batch.joining:
-            batch.prefill(budget, layers)
+            scheduler.prefill(PrefillShare(budget, layers))
             steps += 1
     chunks = 1 if budget is None else -(-sum(len(p) - 1 for p in prompts) // budget)
     assert steps >= chunks * (1 if layers is None else -(-len(model.model.layers) // layers))

@@ -1,17 +1,20 @@
-"""The requests holding rows: those decoding (one row each in the target's cache and the draft
-model's, in order) and, after them, those joining, whose prompts are being prefilled.
+"""The requests holding rows and what runs the models over them: those decoding (one row each in
+the target's cache and the draft model's, in order) and, after them, those joining, whose
+prompts are being prefilled.
 
 A joining request gets a staged row in each cache (layers.kv_cache) when it is admitted (stage):
-the prompt's longest prefix of blocks found in the prefix cache is copied into it. Each step then
-prefills a chunk of the rest (prefill: a budget of tokens a step, the oldest request first), the
-draft model in the same chunks; a request whose prefill is done joins the rows in use, and the
-next round decodes it. A row's cache holds its sequence but the last token, which the next round
+the prompt's longest prefix of blocks found in the prefix cache is copied into it. Each step
+then prefills the chunks the scheduler chose (engine.scheduler), the draft model in the same
+chunks; a request whose prefill is done joins the rows in use, and the next round decodes it. A
+chunk that costs more than a round may run its target forward a few layers a step
+(engine.prefill_budget): it is then pending until its last layer has run, and no other chunk
+starts meanwhile. A row's cache holds its sequence but the last token, which the next round
 feeds. Requests leave when they finish or are aborted (keep: the other rows move to the front;
 drop_joining for requests still joining).
 
 With an encoder-decoder target (T5) the prefill is the encoders' pass over the prompt, which
-attends both ways and so cannot be cut by tokens: it is cut by encoder blocks instead (a block
-over S tokens counts as S / blocks tokens of the budget), the draft's encoder keeping pace.
+attends both ways and so cannot be cut by tokens: it is cut by encoder blocks instead, the
+draft's encoder keeping pace.
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ from ..sampling.batch import SamplingBatch
 from ..steps.feed import PrefillCall, continue_prefill, prefill_chunks, start_prefill
 from ..steps.graphs import FixedShapeSteps
 from .outputs import score_prompt_chunk
-from .prefill_budget import CHUNK
 from .prefix_cache import BLOCK, PrefixCache, block_keys
 from .request import Request
 
@@ -145,14 +147,15 @@ class RunningBatch:
         for _, cache in self._models():  # what the rows hold (layers.kv_cache's entries_end_at_lengths)
             cache.staged_view(staged, 1).lengths.fill_(j.done)
 
-    def prefill(self, budget: int | None, layers: int | None = None) -> PrefillStep:
-        """Prefill the joining requests, the oldest first, up to `budget` prompt tokens (None: no
-        limit), running `layers` of a chunk's target layers (None: all; chunks left pending by an
-        earlier step are carried on first); those whose prefill is done join the rows in use."""
+    def prefill(self, chunks: list[tuple[Joining, int]], layers: int | None = None) -> PrefillStep:
+        """Prefill these chunks (a request and its chunk's tokens: the scheduler's choice), running
+        `layers` of their target layers (None: all; the chunks left pending by an earlier step
+        must be given again until their last layer has run); requests whose prefill is then done
+        join the rows in use."""
         if self.target.is_encoder_decoder:
-            tokens, share = self._encode(budget), 1.0
+            tokens, share = self._encode(chunks), 1.0
         else:
-            tokens, share = self._feed(budget, layers)
+            tokens, share = self._feed(chunks, layers)
         finished = [i for i, j in enumerate(self.joining) if j.finished]
         if not finished:
             return PrefillStep([], tokens, share)
@@ -170,14 +173,22 @@ class RunningBatch:
         self._sampling()
         return PrefillStep(requests, tokens, share)
 
-    def _feed(self, budget: int | None, layers: int | None) -> tuple[int, float]:
-        """One step's chunks of the decoder-only prompts: the oldest request first, each chunk
-        ending at a multiple of CHUNK tokens or at the prompt's end; `layers` of their target
-        layers (None: all). Returns the chunks' tokens and the share of their layers run."""
+    def _feed(self, chunks: list[tuple[Joining, int]], layers: int | None) -> tuple[int, float]:
+        """Decoder-only prompts' chunks; returns their tokens and the share of their target
+        layers run. A chunk's forward starts with the draft model's whole (a fraction of the
+        target's cost) and runs `layers` of the target's layers a step."""
+        if not chunks:
+            return 0, 1.0
         if self.pending is None:
-            self.pending = self._start_chunks(budget)
-            if self.pending is None:
-                return 0, 1.0
+            staged = [self.joining.index(j) for j, _ in chunks]
+            done = [j.done for j, _ in chunks]
+            tokens = [j.prefill[j.done:j.done + n] for j, n in chunks]
+            whole = [len(j.prefill) for j, _ in chunks]
+            if self.draft_cache is not None:
+                prefill_chunks(self.drafter.model, self.draft_cache, staged, done, tokens, whole)
+            self.pending = PendingChunks(chunks, start_prefill(self.target, self.cache, staged, done, tokens, whole))
+        elif chunks != self.pending.work:
+            raise ValueError("chunks are pending (their layers not all run): they come before any other")
         pending = self.pending
         before = pending.calls[0].run.layers_done
         scored = any(j.request.prompt_logprobs is not None for j, _ in pending.work)
@@ -200,31 +211,6 @@ class RunningBatch:
                 self._to_prefix_cache(self.joining.index(j), j)
         return tokens, share
 
-    def _start_chunks(self, budget: int | None) -> PendingChunks | None:
-        """Choose the step's chunks (None: nothing to prefill), start the target's forwards over
-        them and run the draft model's whole: a draft model is a fraction of the target's cost."""
-        work: list[tuple[int, Joining, int]] = []  # (staged row, request, tokens)
-        left = budget
-        for i, j in enumerate(self.joining):
-            rest = len(j.prefill) - j.done
-            if rest == 0:
-                continue
-            n = rest if left is None or rest <= left else (j.done + left) // CHUNK * CHUNK - j.done
-            if n <= 0:
-                break
-            work.append((i, j, n))
-            if left is not None:
-                left -= n
-        if not work:
-            return None
-        rows, done = [i for i, _, _ in work], [j.done for _, j, _ in work]
-        chunks = [j.prefill[j.done:j.done + n] for _, j, n in work]
-        whole = [len(j.prefill) for _, j, _ in work]
-        if self.draft_cache is not None:
-            prefill_chunks(self.drafter.model, self.draft_cache, rows, done, chunks, whole)
-        calls = start_prefill(self.target, self.cache, rows, done, chunks, whole)
-        return PendingChunks([(j, n) for _, j, n in work], calls)
-
     def _to_prefix_cache(self, staged: int, j: Joining):
         """Give the prefix cache the blocks of j's prompt that its prefill has now completed."""
         full = j.done // BLOCK
@@ -239,40 +225,26 @@ class RunningBatch:
         self.prefix_cache.store(j.keys, j.prefill, j.stored, kv)
         j.stored = full
 
-    def _encode(self, budget: int | None) -> int:
-        """One step of the encoders' passes, the oldest request first: the target's blocks as the
-        budget allows (at least one a step), the draft's as many in proportion; a pass done writes
-        its cross-attention entries into the request's staged rows."""
-        left, spent = budget, 0
-        for i, j in enumerate(self.joining):
-            if j.encoded:
-                continue
-            source = len(j.request.source)
-            run = j.encoders[0]
-            total = len(self.target.encoder)
-            blocks = total - run.blocks_done
-            if left is not None:
-                blocks = min(blocks, left * total // source)
-                if blocks < 1:
-                    if spent:
-                        break
-                    blocks = 1
+    def _encode(self, chunks: list[tuple[Joining, int]]) -> int:
+        """Encoder-decoder prompts: for each request, `blocks` of the target's encoder blocks (the
+        draft's encoder keeping pace); a pass done writes its cross-attention entries into the
+        request's staged rows. Returns the budget's tokens spent (a block over S tokens counts as
+        S / blocks)."""
+        spent = 0
+        for j, blocks in chunks:
+            i = self.joining.index(j)
+            run, total = j.encoders[0], len(self.target.encoder)
             self.target.encode_blocks(run, blocks)
             if len(j.encoders) > 1:  # the draft's encoder keeps pace
                 draft_run, draft_total = j.encoders[1], len(self.drafter.model.encoder)
                 self.drafter.model.encode_blocks(
                     draft_run, math.ceil(run.blocks_done * draft_total / total) - draft_run.blocks_done)
-            cost = math.ceil(blocks * source / total)
-            spent += cost
-            if left is not None:
-                left -= cost
+            spent += math.ceil(blocks * len(j.request.source) / total)
             if run.blocks_done == total:
                 for (model, cache), encoder_run in zip(self._models(), j.encoders):
                     model.finish_encoding(encoder_run, cache.staged_view(i, 1))
                 j.encoders, j.encoded = None, True
                 j.request.stats.target_calls += 1
-            if left is not None and left <= 0:
-                break
         return spent
 
     def drop_joining(self, leaving: list[Joining]):

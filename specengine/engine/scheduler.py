@@ -13,11 +13,12 @@ prefilled; the rows decoding stay as they were.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 
-from .batch import PrefillStep, RunningBatch
-from .prefill_budget import PrefillShare
+from .batch import Joining, PrefillStep, RunningBatch
+from .prefill_budget import CHUNK, PrefillShare
 from .request import Request
 
 log = logging.getLogger("specengine")
@@ -64,14 +65,51 @@ class Scheduler:
             raise
 
     def prefill(self, share: PrefillShare) -> PrefillStep:
-        """Prefill the requests holding staged rows, as much as `share` allows; those done join the
-        running rows. Should it fail, the rows running stay as they were and the requests being
-        prefilled end (then it raises)."""
+        """Prefill the requests holding staged rows, as much as `share` allows (chunks, _chunks);
+        those done join the running rows. Should it fail, the rows running stay as they were and
+        the requests being prefilled end (then it raises)."""
+        pending = self.batch.pending
+        chunks = pending.work if pending is not None else self._chunks(share.tokens)
         try:
-            return self.batch.prefill(share.tokens, share.layers)
+            return self.batch.prefill(chunks, share.layers)
         except BaseException as exc:
             self._end_joining(exc)
             raise
+
+    def _chunks(self, budget: int | None) -> list[tuple[Joining, int]]:
+        """The step's chunks within `budget` prompt tokens (None: no limit), the oldest request
+        first: a decoder-only prompt's tokens, each chunk ending at a multiple of CHUNK tokens or
+        at the prompt's end; an encoder-decoder's encoder blocks, a block over S tokens counting
+        as S / blocks tokens (at least one block a step)."""
+        chunks: list[tuple[Joining, int]] = []
+        left = budget
+        for j in self.batch.joining:
+            if self.batch.target.is_encoder_decoder:
+                if j.encoded:
+                    continue
+                source, total = len(j.request.source), len(self.batch.target.encoder)
+                n = total - j.encoders[0].blocks_done
+                if left is not None:
+                    n = min(n, left * total // source)
+                    if n < 1:
+                        if chunks:
+                            break
+                        n = 1
+                cost = math.ceil(n * source / total)
+            else:
+                rest = len(j.prefill) - j.done
+                if rest == 0:
+                    continue
+                n = rest if left is None or rest <= left else (j.done + left) // CHUNK * CHUNK - j.done
+                if n <= 0:
+                    break
+                cost = n
+            chunks.append((j, n))
+            if left is not None:
+                left -= cost
+                if left <= 0:
+                    break
+        return chunks
 
     def _end_joining(self, exc: BaseException):
         for j in self.batch.joining:
