@@ -324,6 +324,17 @@ def summary(name: str, requests: list[Sent], wall: float, clients: int) -> dict:
     return out
 
 
+def without_key(argv: list[str]) -> list[str]:
+    """The command line with --api-key's value masked, for the record."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "KEY"
+        elif arg.startswith("--api-key="):
+            out[i] = "--api-key=KEY"
+    return out
+
+
 def access(args) -> dict:
     """run_phase's key and refusal handling, from the command line."""
     return dict(api_key=args.api_key, max_refusals=args.max_refusals)
@@ -471,7 +482,7 @@ def main():
               "cpu": cpu_description(), "cpu_count": os.cpu_count(), "target": str(target), "draft": str(draft),
               "gamma": args.gamma, "max_batch_size": args.max_batch_size, "max_tokens": args.max_tokens,
               "api_key": "set" if args.api_key is not None else None, "max_waiting": args.max_waiting,
-              "temperature": args.temperature, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "temperature": args.temperature, "command": " ".join([Path(sys.argv[0]).name] + without_key(sys.argv[1:])),
               "phases": []}
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name(0)
@@ -639,7 +650,7 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
                         shared_prefixes=args.soak_shared_prefixes),
         prompt_tokens_by_source=prompt_tokens_by_source(base_url),
         completed=done, sent=len(sent_all), not_sent=args.soak - len(sent_all),
-        streamed=sum(r.stream for r in sent), non_streamed=sum(not r.stream for r in sent),
+        streamed=sum(r.stream for r in sent_all), non_streamed=sum(not r.stream for r in sent_all),
         planned_to_leave=sum(r.leave_after_chunks is not None or r.leave_at_fraction is not None for r in sent),
         left=len(left), left_streamed=sum(r.stream for r in left),
         left_before_first_chunk=sum(r.stream and not r.chunk_times for r in left),
