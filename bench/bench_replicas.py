@@ -343,6 +343,8 @@ def main():
             checks["same_answer_after_the_kill"] = k["prompts_with_differing_answers"] == 0
             checks["script_kept_serving"] = alive
             result["replica_log_tail"] = (run_dir / "serve-replicas.log").read_text()[-1500:]
+            # The kill as nginx saw it: which replica each request went to, and what came back.
+            result["nginx_access_log_last_phase"] = (run_dir / "access.log").read_text().splitlines()[-(args.requests + 8):]
         finally:
             stop_replicas(script)
     result["passed"] = all(checks.values())

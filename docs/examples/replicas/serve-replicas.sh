@@ -65,7 +65,7 @@ done
 # refuses connections).
 deadline=$((SECONDS + ready_timeout))
 for port in "${replica_ports[@]}"; do
-    until curl -fsS -o /dev/null "http://127.0.0.1:$port/health"; do
+    until curl -fs -o /dev/null "http://127.0.0.1:$port/health"; do
         if ! kill -0 "$(cat "$run_dir/replica-$port.pid")" 2> /dev/null; then
             echo "serve-replicas.sh: the replica on port $port stopped; its log:" >&2
             tail -n 20 "$run_dir/replica-$port.log" >&2
@@ -103,8 +103,8 @@ while kill -0 "$nginx_pid" 2> /dev/null; do
             alive=$((alive + 1))
         elif [ -z "${reported[$port]:-}" ]; then
             reported[$port]=1
-            echo "serve-replicas.sh: warning: the replica on port $port stopped (log: $run_dir/replica-$port.log); " \
-                 "nginx sends its requests to the other" >&2
+            echo "serve-replicas.sh: warning: the replica on port $port stopped (log:" \
+                 "$run_dir/replica-$port.log); nginx sends its requests to the other" >&2
         fi
     done
     if [ "$alive" -eq 0 ]; then
