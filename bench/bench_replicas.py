@@ -206,7 +206,8 @@ def try_prometheus(run_dir: Path, key: str, replica_ports: list[int], port: int)
                 up, success = [], []
             out["up"] = {r["metric"]["instance"]: float(r["value"][1]) for r in up}
             out["request_success_total"] = {r["metric"]["instance"]: float(r["value"][1]) for r in success}
-            if len(out["up"]) == 2 and all(v == 1 for v in out["up"].values()) and len(out["request_success_total"]) == 2:
+            if (len(out["up"]) == 2 and all(v == 1 for v in out["up"].values())
+                    and len(out["request_success_total"]) == 2):
                 break
             if time.monotonic() > deadline or process.poll() is not None:
                 out["log_tail"] = (folder / "prometheus.log").read_text()[-2000:]
@@ -247,7 +248,8 @@ def main():
     router, first, second, prometheus_port = free_ports(4)
     ports = {"router": router, "replicas": [first, second]}
     base_url = f"http://127.0.0.1:{router}"
-    result = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "cpus_usable": len(os.sched_getaffinity(0)),
+    result = {"date": datetime.datetime.now().isoformat(timespec="minutes"),
+              "cpus_usable": len(os.sched_getaffinity(0)),
               "nginx": subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip(),
               "target": args.target or "default pair", "draft": args.draft, "gamma": args.gamma,
               "max_batch_size": args.max_batch_size, "requests_per_phase": args.requests, "clients": args.clients,
@@ -344,7 +346,8 @@ def main():
             checks["script_kept_serving"] = alive
             result["replica_log_tail"] = (run_dir / "serve-replicas.log").read_text()[-1500:]
             # The kill as nginx saw it: which replica each request went to, and what came back.
-            result["nginx_access_log_last_phase"] = (run_dir / "access.log").read_text().splitlines()[-(args.requests + 8):]
+            log = (run_dir / "access.log").read_text().splitlines()
+            result["nginx_access_log_last_phase"] = log[-(args.requests + 8):]
         finally:
             stop_replicas(script)
     result["passed"] = all(checks.values())

@@ -52,8 +52,9 @@ between streamed chunks, and the server's RSS. Every phase is bounded by --time-
   python bench/bench_serve.py --sequential 0 --requests 0 --joins 16 --prefix-pairs 4   # chunked prefill, prefix cache
   python bench/bench_serve.py --gamma 2 --soak-only --soak 1000 --soak-shared-prefixes 8 --disconnect-fraction 0.2 \
       --non-streaming-fraction 0.25                # the soak with shared prefixes
-  python bench/bench_serve.py --gamma 2 --soak-only --soak 300 --soak-clients 16 --api-key sk-soak --max-waiting 2 \
-      --wrong-key-fraction 0.05 --disconnect-fraction 0.2 --non-streaming-fraction 0.25   # with a key, a full queue
+  python bench/bench_serve.py --gamma 2 --soak-only --soak 120 --soak-clients 10 --max-batch-size 4 --max-waiting 2 \
+      --api-key sk-soak --wrong-key-fraction 0.05 --disconnect-fraction 0.2 --non-streaming-fraction 0.25 \
+      --prefix-cache-mib 0                         # with a key and a full queue
 """
 from __future__ import annotations
 
@@ -482,7 +483,8 @@ def main():
               "cpu": cpu_description(), "cpu_count": os.cpu_count(), "target": str(target), "draft": str(draft),
               "gamma": args.gamma, "max_batch_size": args.max_batch_size, "max_tokens": args.max_tokens,
               "api_key": "set" if args.api_key is not None else None, "max_waiting": args.max_waiting,
-              "temperature": args.temperature, "command": " ".join([Path(sys.argv[0]).name] + without_key(sys.argv[1:])),
+              "temperature": args.temperature,
+              "command": " ".join([Path(sys.argv[0]).name] + without_key(sys.argv[1:])),
               "phases": []}
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name(0)
@@ -701,7 +703,8 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
     if args.wrong_key_fraction:
         checks["wrong_keys_sent"] = out["wrong_key_requests"] > 0
     out["passed"] = all(checks.values())
-    print(f"  soak: {len(sent_all)}/{args.soak} sent, {len(sent)} accepted, {len(left)} left early ({out['left_streamed']} streamed, "
+    print(f"  soak: {len(sent_all)}/{args.soak} sent, {len(sent)} accepted, {len(left)} left early "
+          f"({out['left_streamed']} streamed, "
           f"{out['left_non_streamed']} not), {len(stayed)} stayed: {len(lost)} lost, {len(mismatched)} differ from "
           f"offline generation, {len(not_prefix)} partial outputs not a prefix of offline, {len(errors)} errors; "
           f"RSS {rss[0]:.0f} -> {rss.get(middle, float('nan')):.0f} -> {rss.get(done, float('nan')):.0f} MiB "
