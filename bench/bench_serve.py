@@ -27,6 +27,15 @@ The soak's verdict is in the JSON and a markdown summary beside it; the script e
                          finds it in the prefix cache. Reported: both times to first token and their
                          ratio (target: the second at least 4x sooner).
 
+--api-key KEY serves with the key (given to the server in SPECENGINE_API_KEY, out of the process
+list) and sends it; --max-waiting N caps the server's queue, so that with more clients than
+--max-batch-size + N some requests get 503. In the soak, a client refused with 503 waits the
+Retry-After it was given and sends the same request again (--max-refusals times at most), as the
+openai client does; --wrong-key-fraction of the requests carry a key the server does not hold
+and must get 401. Every refusal must be clean (503 with Retry-After, 401 with WWW-Authenticate,
+both in OpenAI's error shape), the server's requests_refused_total must count each one, and every
+request accepted must end with its offline output, as above.
+
 --soak-shared-prefixes K builds the soak's prompts as one of K shared prefixes (32 to
 --prefix-tokens tokens, mixed) followed by a held-out chat prompt: the prefix cache then serves
 (and evicts, and is aborted with) most of them, and every output must still equal offline
@@ -43,6 +52,9 @@ between streamed chunks, and the server's RSS. Every phase is bounded by --time-
   python bench/bench_serve.py --sequential 0 --requests 0 --joins 16 --prefix-pairs 4   # chunked prefill, prefix cache
   python bench/bench_serve.py --gamma 2 --soak-only --soak 1000 --soak-shared-prefixes 8 --disconnect-fraction 0.2 \
       --non-streaming-fraction 0.25                # the soak with shared prefixes
+  python bench/bench_serve.py --gamma 2 --soak-only --soak 120 --soak-clients 10 --max-batch-size 4 --max-waiting 2 \
+      --api-key sk-soak --wrong-key-fraction 0.05 --disconnect-fraction 0.2 --non-streaming-fraction 0.25 \
+      --prefix-cache-mib 0                         # with a key and a full queue
 """
 from __future__ import annotations
 
@@ -93,6 +105,9 @@ class Sent:
     leave_after_s: float | None = None
     left: bool = False        # it did go away before the end (else it ended, and stayed)
     error: str | None = None  # what failed, where the soak keeps going past a failed request
+    wrong_key: bool = False   # sent with a key the server does not hold: it must be refused (401)
+    refusals: list = field(default_factory=list)  # a Refusal for each time the server refused it
+    refused: bool = False     # refused for good: 401, or 503 more than --max-refusals times
     text: str = ""
     completion_tokens: int = 0
     prompt_tokens: int = 0
@@ -111,6 +126,39 @@ class Sent:
         if self.completion_tokens < 2 or not self.chunk_times:
             return None
         return (self.chunk_times[-1] - self.chunk_times[0]) / (self.completion_tokens - 1)
+
+
+@dataclass
+class Refusal:
+    status: int
+    retry_after: str | None
+    problems: list[str]       # how the answer differs from a clean refusal; empty: clean
+
+
+def refusal_of(exc: openai.APIStatusError) -> Refusal:
+    """A 401 or 503 as the client got it, and whether it was clean: OpenAI's error shape, a
+    Retry-After of whole seconds on a 503 (what a client waits before trying again), a Bearer
+    challenge and the code invalid_api_key on a 401."""
+    response, problems = exc.response, []
+    try:
+        error = response.json()["error"]
+        if not isinstance(error.get("message"), str) or not error["message"]:
+            problems.append("no error message")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        error = {}
+        problems.append(f"not OpenAI's error shape: {response.text[:200]!r}")
+    retry_after = response.headers.get("retry-after")
+    if exc.status_code == 503:
+        if not (retry_after or "").isdigit() or int(retry_after) < 1:
+            problems.append(f"Retry-After {retry_after!r}")
+        if error and error.get("type") != "server_error":
+            problems.append(f"type {error.get('type')!r}")
+    elif exc.status_code == 401:
+        if response.headers.get("www-authenticate") != "Bearer":
+            problems.append(f"WWW-Authenticate {response.headers.get('www-authenticate')!r}")
+        if error and error.get("code") != "invalid_api_key":
+            problems.append(f"code {error.get('code')!r}")
+    return Refusal(exc.status_code, retry_after, problems)
 
 
 def requests_for(prompts: list[list[int]], count: int, max_tokens: int, temperature: float,
@@ -201,14 +249,23 @@ async def send_unstreamed(client: openai.AsyncOpenAI, model: str, request: Sent)
     request.completion_tokens, request.prompt_tokens = response.usage.completion_tokens, response.usage.prompt_tokens
 
 
+# The key a --wrong-key-fraction request carries: not the server's, whatever that is.
+WRONG_KEY = "sk-not-the-servers-key"
+
+
 async def run_phase(base_url: str, model: str, requests: list[Sent], clients: int, deadline: float,
                     on_done=None, before_send=None, keep_going: bool = False,
-                    stagger: float = 0.0) -> tuple[float, int]:
+                    stagger: float = 0.0, api_key: str | None = None,
+                    max_refusals: int = 0) -> tuple[float, int]:
     """Send the requests over `clients` concurrent clients; (wall seconds, requests sent and ended,
     answered or not). keep_going: a request that fails is recorded (request.error) and the next
     sent, instead of ending the phase. stagger: client k sends its first request k * stagger
-    seconds after the first client."""
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    seconds after the first client. api_key: the key the requests carry (a request.wrong_key one
+    carries another). max_refusals: a request refused with 503 is sent again after its Retry-After,
+    this many times at most; a 401 is final; each refusal is recorded in request.refusals (with
+    max_refusals 0 a refusal fails the request as any error does)."""
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
+    wrong = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=WRONG_KEY, max_retries=0, timeout=600)
     pending = iter(requests)
     done = 0
 
@@ -220,18 +277,35 @@ async def run_phase(base_url: str, model: str, requests: list[Sent], clients: in
                 return
             if before_send is not None:
                 before_send(request)
-            try:
-                await send(client, model, request)
-            except (openai.OpenAIError, httpx.HTTPError) as exc:
-                if not keep_going:
-                    raise
-                request.error = f"{type(exc).__name__}: {exc}"
+            while True:
+                try:
+                    await send(wrong if request.wrong_key else client, model, request)
+                except openai.APIStatusError as exc:
+                    if not max_refusals or exc.status_code not in (401, 503):
+                        if not keep_going:
+                            raise
+                        request.error = f"{type(exc).__name__}: {exc}"
+                        break
+                    refusal = refusal_of(exc)
+                    request.refusals.append(refusal)
+                    if exc.status_code == 401 or len(request.refusals) > max_refusals:
+                        request.refused = True
+                        break
+                    # The wait the server asked for; a missing or bad Retry-After is recorded as
+                    # unclean above, and waited as one second.
+                    await asyncio.sleep(int(refusal.retry_after) if not refusal.problems else 1)
+                    continue
+                except (openai.OpenAIError, httpx.HTTPError) as exc:
+                    if not keep_going:
+                        raise
+                    request.error = f"{type(exc).__name__}: {exc}"
+                break
             done += 1
             if on_done is not None:
                 on_done(done)
 
     start = time.perf_counter()
-    async with client:
+    async with client, wrong:
         await asyncio.gather(*(worker(k) for k in range(clients)))
     return time.perf_counter() - start, done
 
@@ -251,6 +325,22 @@ def summary(name: str, requests: list[Sent], wall: float, clients: int) -> dict:
     return out
 
 
+def without_key(argv: list[str]) -> list[str]:
+    """The command line with --api-key's value masked, for the record."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "KEY"
+        elif arg.startswith("--api-key="):
+            out[i] = "--api-key=KEY"
+    return out
+
+
+def access(args) -> dict:
+    """run_phase's key and refusal handling, from the command line."""
+    return dict(api_key=args.api_key, max_refusals=args.max_refusals)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -265,7 +355,13 @@ def start_server(args, target, draft, port: int) -> subprocess.Popen:
         command += ["--draft", str(draft)]
     command += ["--prefill-chunk-tokens", str(args.prefill_chunk_tokens), "--prefix-cache-mib",
                 str(args.prefix_cache_mib)]
-    server = subprocess.Popen(command)
+    if args.max_waiting is not None:
+        command += ["--max-waiting", str(args.max_waiting)]
+    env = dict(os.environ)
+    env.pop("SPECENGINE_API_KEY", None)  # a key of the caller's must not close a server meant to be open
+    if args.api_key is not None:
+        env["SPECENGINE_API_KEY"] = args.api_key  # in the environment: out of the process list
+    server = subprocess.Popen(command, env=env)
     deadline = time.monotonic() + 600
     while True:
         if server.poll() is not None:
@@ -331,6 +427,15 @@ def main():
     parser.add_argument("--soak-seed", type=int, default=0, help="seeds which clients go away, and when")
     parser.add_argument("--soak-shared-prefixes", type=int, default=0, metavar="K",
                         help="soak prompts start with one of K shared prefixes of mixed lengths (default 0: none)")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="the server needs this key, and the requests carry it (default: no key)")
+    parser.add_argument("--max-waiting", type=int, metavar="N", help="the server's --max-waiting (default: no limit)")
+    parser.add_argument("--max-refusals", type=int, default=30, metavar="N",
+                        help="a request refused with 503 is sent again after its Retry-After, N times at most "
+                             "(default 30)")
+    parser.add_argument("--wrong-key-fraction", type=float, default=0.0,
+                        help="soak requests sent with a key the server does not hold, which must get 401 (needs "
+                             "--api-key; default 0)")
     parser.add_argument("--joins", type=int, default=0, metavar="N",
                         help="requests of the joins phase, one at a time and then concurrent (default 0: none)")
     parser.add_argument("--join-prompt-tokens", type=int, default=500)
@@ -346,11 +451,19 @@ def main():
     parser.add_argument("--out", help="JSON path (default bench/results/serve-<date>.json, serve-soak-<date>.json "
                                       "with --soak-only); a soak's markdown summary goes beside it")
     args = parser.parse_args()
-    for name in ("disconnect_fraction", "non_streaming_fraction"):
+    for name in ("disconnect_fraction", "non_streaming_fraction", "wrong_key_fraction"):
         if not 0 <= getattr(args, name) <= 1:
             parser.error(f"--{name.replace('_', '-')} must be between 0 and 1")
     if args.soak_only and args.soak < 1:
         parser.error("--soak-only needs --soak N")
+    if args.wrong_key_fraction and args.api_key is None:
+        parser.error("--wrong-key-fraction needs --api-key: without a key every key is accepted")
+    if args.api_key is not None and (not args.api_key or args.api_key == WRONG_KEY):
+        parser.error(f"--api-key must be a key other than {WRONG_KEY!r} (the wrong key's)")
+    if args.max_waiting is not None and args.max_waiting < 0:
+        parser.error(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.max_refusals < 0:
+        parser.error(f"--max-refusals must be >= 0, got {args.max_refusals}")
 
     target, draft = (args.target, args.draft) if args.target else default_pair()
     offline = Engine.from_pretrained(target, draft, gamma=int(args.gamma) if args.gamma != "auto" else "auto",
@@ -369,20 +482,22 @@ def main():
     result = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "machine": machine_name(),
               "cpu": cpu_description(), "cpu_count": os.cpu_count(), "target": str(target), "draft": str(draft),
               "gamma": args.gamma, "max_batch_size": args.max_batch_size, "max_tokens": args.max_tokens,
-              "temperature": args.temperature, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "api_key": "set" if args.api_key is not None else None, "max_waiting": args.max_waiting,
+              "temperature": args.temperature,
+              "command": " ".join([Path(sys.argv[0]).name] + without_key(sys.argv[1:])),
               "phases": []}
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name(0)
     try:
         warm_up = requests_for(prompts, 2, 8, args.temperature, 10**6)
-        asyncio.run(run_phase(base_url, "bench", warm_up, 2, time.perf_counter() + 600))
+        asyncio.run(run_phase(base_url, "bench", warm_up, 2, time.perf_counter() + 600, **access(args)))
         result["rss_mib_start"] = rss_mib(server.pid)
         if not args.soak_only and (args.sequential or args.requests):
             alone = requests_for(prompts, args.sequential, args.max_tokens, args.temperature, 0)
             together = requests_for(prompts, args.requests, args.max_tokens, args.temperature, 1000)
             for name, requests, clients in (("one at a time", alone, 1), ("concurrent", together, args.clients)):
                 wall, _ = asyncio.run(run_phase(base_url, "bench", requests, clients,
-                                                time.perf_counter() + args.time_limit))
+                                                time.perf_counter() + args.time_limit, **access(args)))
                 result["phases"].append(summary(name, requests, wall, clients))
             one, many = result["phases"]
             if one["tokens_per_s"] and many["tokens_per_s"]:
@@ -415,11 +530,11 @@ def joins(args, base_url: str, tokenizer) -> dict:
     n, deadline = args.joins, lambda: time.perf_counter() + args.time_limit  # noqa: E731
     prompts = long_prompts(tokenizer, 2 * n, args.join_prompt_tokens, first=0)
     alone = [Sent(p, args.join_max_tokens, args.temperature, 20000 + i) for i, p in enumerate(prompts[:n])]
-    wall, _ = asyncio.run(run_phase(base_url, "bench", alone, 1, deadline()))
+    wall, _ = asyncio.run(run_phase(base_url, "bench", alone, 1, deadline(), **access(args)))
     single = summary("joins, alone", alone, wall, 1)
     together = [Sent(p, args.join_max_tokens, args.temperature, 30000 + i) for i, p in enumerate(prompts[n:])]
     wall, _ = asyncio.run(run_phase(base_url, "bench", together, args.clients, deadline(),
-                                    stagger=args.join_stagger))
+                                    stagger=args.join_stagger, **access(args)))
     many = summary(f"joins, {args.clients} streams", together, wall, args.clients)
     ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
     out = dict(prompt_tokens=args.join_prompt_tokens, max_tokens=args.join_max_tokens, stagger_s=args.join_stagger,
@@ -446,7 +561,8 @@ def prefix_pairs(args, base_url: str, tokenizer) -> dict:
         prefix = code_tokens(tokenizer, args.prefix_tokens, 500 + i)
         first, second = (Sent(prefix + chats[2 * i + j], 8, args.temperature, 40000 + 2 * i + j) for j in range(2))
         for request in (first, second):
-            asyncio.run(run_phase(base_url, "bench", [request], 1, time.perf_counter() + args.time_limit))
+            asyncio.run(run_phase(base_url, "bench", [request], 1, time.perf_counter() + args.time_limit,
+                                  **access(args)))
         pairs.append((first.ttft, second.ttft))
     cold = statistics.median(a for a, _ in pairs)
     warm = statistics.median(b for _, b in pairs)
@@ -464,7 +580,9 @@ def plan_departures(requests: list[Sent], args):
     rng = random.Random(args.soak_seed)
     for request in requests:
         request.stream = rng.random() >= args.non_streaming_fraction
-        if rng.random() < args.disconnect_fraction:
+        request.wrong_key = rng.random() < args.wrong_key_fraction
+        # A wrong key's client stays to read its 401 (that it gets one is what it is sent for).
+        if rng.random() < args.disconnect_fraction and not request.wrong_key:
             if request.stream:
                 # Up to half the tokens in chunks (a round sends one to gamma + 1 tokens): most
                 # leave before the end, some before the first token.
@@ -495,11 +613,14 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
             print(f"  soak: {n} done, server RSS {rss[n]:.0f} MiB, peak {peak[n]:.0f} MiB", flush=True)
 
     wall, done = asyncio.run(run_phase(base_url, "bench", requests, args.soak_clients,
-                                       time.perf_counter() + args.time_limit, on_done, before_send, keep_going=True))
+                                       time.perf_counter() + args.time_limit, on_done, before_send, keep_going=True,
+                                       **access(args)))
     out = summary("soak", requests, wall, args.soak_clients)
     idle = wait_until_idle(base_url, server)
-    sent = [r for r in requests if r.sent_at]
-    print(f"  offline generation of the {len(sent)} requests sent ...", flush=True)
+    sent_all = [r for r in requests if r.sent_at]
+    # The requests the server accepted, in the end (some after 503s): the others never reached it.
+    sent = [r for r in sent_all if not r.refused]
+    print(f"  offline generation of the {len(sent)} requests accepted ...", flush=True)
     want = offline.generate([r.prompt for r in sent],
                             [SamplingParams(max_new_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed)
                              for r in sent])
@@ -513,16 +634,25 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
     # change it, nor did the others leaving.
     partial = [(i, r, w) for i, (r, w) in enumerate(zip(sent, want)) if r.left and r.stream]
     not_prefix = [i for i, r, w in partial if not w.text.startswith(r.text)]
-    errors = [(i, r.error) for i, r in enumerate(sent) if r.error is not None]
+    errors = [(i, r.error) for i, r in enumerate(sent_all) if r.error is not None]
     left = [r for r in sent if r.left]
+    refusals = [f for r in sent_all for f in r.refusals]
+    unclean = [(i, f.status, f.problems) for i, r in enumerate(sent_all) for f in r.refusals if f.problems]
+    # A request sent with the wrong key that was served, or a right one refused with 401: the key
+    # check let through what it should not, or shut out what it should not.
+    key_wrongly_handled = [i for i, r in enumerate(sent_all)
+                           if r.wrong_key != any(f.status == 401 for f in r.refusals)]
+    counted = refused_counts(base_url)
+    seen = {"queue_full": sum(f.status == 503 for f in refusals),
+            "unauthorized": sum(f.status == 401 for f in refusals)}
     out.update(
         parameters=dict(requests=args.soak, clients=args.soak_clients, max_tokens=args.soak_max_tokens,
                         disconnect_fraction=args.disconnect_fraction,
                         non_streaming_fraction=args.non_streaming_fraction, soak_seed=args.soak_seed,
                         shared_prefixes=args.soak_shared_prefixes),
         prompt_tokens_by_source=prompt_tokens_by_source(base_url),
-        completed=done, sent=len(sent), not_sent=args.soak - len(sent),
-        streamed=sum(r.stream for r in sent), non_streamed=sum(not r.stream for r in sent),
+        completed=done, sent=len(sent_all), not_sent=args.soak - len(sent_all),
+        streamed=sum(r.stream for r in sent_all), non_streamed=sum(not r.stream for r in sent_all),
         planned_to_leave=sum(r.leave_after_chunks is not None or r.leave_at_fraction is not None for r in sent),
         left=len(left), left_streamed=sum(r.stream for r in left),
         left_before_first_chunk=sum(r.stream and not r.chunk_times for r in left),
@@ -530,7 +660,17 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
         without_finish_reason=len(lost), lost_first=lost[:10], mismatched=len(mismatched),
         mismatched_first=mismatched[:10], partial_not_prefix=len(not_prefix),
         partial_not_prefix_first=not_prefix[:10], errors=len(errors), errors_first=errors[:5],
-        rss_mib_at=rss, peak_rss_mib_at=peak, **idle)
+        rss_mib_at=rss, peak_rss_mib_at=peak, **idle,
+        api_key="set" if args.api_key is not None else None, max_waiting=args.max_waiting,
+        wrong_key_fraction=args.wrong_key_fraction, max_refusals=args.max_refusals,
+        wrong_key_requests=sum(r.wrong_key for r in sent_all),
+        refused_503=seen["queue_full"], refused_401=seen["unauthorized"],
+        requests_refused_503_at_least_once=sum(any(f.status == 503 for f in r.refusals) for r in sent_all),
+        most_503s_of_a_request=max((sum(f.status == 503 for f in r.refusals) for r in sent_all), default=0),
+        gave_up_after_503s=sum(r.refused and not r.wrong_key for r in sent_all),
+        accepted=len(sent), unclean_refusals=len(unclean), unclean_refusals_first=unclean[:10],
+        key_wrongly_handled=len(key_wrongly_handled), key_wrongly_handled_first=key_wrongly_handled[:10],
+        requests_refused_total=counted)
     out["rss_mib_start"], out["rss_mib_middle"], out["rss_mib_end"] = rss[0], rss.get(middle), rss.get(done)
     if out["rss_mib_middle"] and out["rss_mib_end"]:
         out["rss_growth_middle_to_end"] = out["rss_mib_end"] / out["rss_mib_middle"] - 1
@@ -547,18 +687,35 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
         "outputs_equal_offline": not mismatched,
         "partial_outputs_are_prefixes": not not_prefix,
         "memory_flat": out.get("rss_growth_middle_to_end", 0.0) <= RSS_GROWTH_LIMIT,
+        "refusals_clean": not unclean,
+        "keys_checked": not key_wrongly_handled,
+        # The warm-up's two requests are never refused: every refusal counted is the soak's. A
+        # non-streamed client that went away may have left before its refusal came (a refusal
+        # waits for the event loop like any answer): the server counted it, the client never read it.
+        "refusals_counted": counted is not None and counted.get("unauthorized") == seen["unauthorized"]
+        and 0 <= counted.get("queue_full", 0) - seen["queue_full"] <= out["left_non_streamed"],
         "server_idle": empty,
         "no_steps_when_idle": idle["steps_while_idle"] == 0,
         "cpu_idle": idle["idle_cpu_cores"] is not None and idle["idle_cpu_cores"] <= IDLE_CPU_LIMIT,
     }
+    if args.max_waiting is not None:
+        checks["queue_filled"] = seen["queue_full"] > 0  # else the run did not test a full queue
+    if args.wrong_key_fraction:
+        checks["wrong_keys_sent"] = out["wrong_key_requests"] > 0
     out["passed"] = all(checks.values())
-    print(f"  soak: {len(sent)}/{args.soak} sent, {len(left)} left early ({out['left_streamed']} streamed, "
+    print(f"  soak: {len(sent_all)}/{args.soak} sent, {len(sent)} accepted, {len(left)} left early "
+          f"({out['left_streamed']} streamed, "
           f"{out['left_non_streamed']} not), {len(stayed)} stayed: {len(lost)} lost, {len(mismatched)} differ from "
           f"offline generation, {len(not_prefix)} partial outputs not a prefix of offline, {len(errors)} errors; "
           f"RSS {rss[0]:.0f} -> {rss.get(middle, float('nan')):.0f} -> {rss.get(done, float('nan')):.0f} MiB "
           f"(start, middle, end), peak {peak.get(done, float('nan')):.0f} MiB; idle after "
           f"{idle['seconds_to_idle']} s, CPU {idle['idle_cpu_cores']} cores over {IDLE_WINDOW_S:g} s; "
           f"/health after: {health}", flush=True)
+    if args.api_key is not None or args.max_waiting is not None:
+        print(f"  soak: refusals {seen['queue_full']} x 503 ({out['requests_refused_503_at_least_once']} requests, "
+              f"at most {out['most_503s_of_a_request']} each, {out['gave_up_after_503s']} gave up), "
+              f"{seen['unauthorized']} x 401 of {out['wrong_key_requests']} wrong keys; {len(unclean)} unclean; "
+              f"server counted {counted}", flush=True)
     failed = [name for name, ok in checks.items() if not ok]
     print(f"  soak: {'PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}", flush=True)
     return out
@@ -575,6 +732,20 @@ def prompt_tokens_by_source(base_url: str) -> dict | None:
         if line.startswith("specengine:prompt_tokens_by_source_total{"):
             source = line.split('source="', 1)[1].split('"', 1)[0]
             out[source] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def refused_counts(base_url: str) -> dict | None:
+    """The server's refusals so far by reason (GET /metrics' requests_refused_total)."""
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("specengine:requests_refused_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -626,11 +797,27 @@ def soak_markdown(result: dict) -> str:
         f"- Clients going away: {s['parameters']['disconnect_fraction']:g} of them planned (seed "
         f"{s['parameters']['soak_seed']}), a streamed one after 0 to max_tokens / 2 chunks, a non-streamed one "
         "within a request's usual time",
+    ]
+    if s.get("api_key") or s.get("max_waiting") is not None:
+        lines += [
+            f"- Access: {'an API key' if s.get('api_key') else 'no key'}, {s.get('wrong_key_requests', 0)} requests "
+            f"sent with a wrong one; --max-waiting {s.get('max_waiting')}, a request refused with 503 sent again "
+            f"after its Retry-After, {s.get('max_refusals')} times at most",
+        ]
+    lines += [
         "",
         "| measure | value |",
         "| --- | --- |",
         f"| left early (planned {s['planned_to_leave']}) | {s['left']}: {s['left_streamed']} streamed "
         f"({s['left_before_first_chunk']} before the first chunk), {s['left_non_streamed']} not streamed |",
+        *([f"| refused with 503 (queue full) | {s['refused_503']} times, {s['requests_refused_503_at_least_once']} "
+           f"requests at least once (at most {s['most_503s_of_a_request']} times one), {s['gave_up_after_503s']} "
+           "gave up |",
+           f"| refused with 401 (wrong key) | {s['refused_401']} of {s['wrong_key_requests']} |",
+           f"| refusals not clean | {s['unclean_refusals']} |",
+           f"| the server's requests_refused_total | {s['requests_refused_total']} |",
+           f"| accepted (in the end) | {s['accepted']} |"]
+          if "refused_503" in s else []),
         f"| stayed | {s['stayed']} |",
         f"| lost (no finish reason) | {s['without_finish_reason']} |",
         f"| differ from offline generation | {s['mismatched']} |",
