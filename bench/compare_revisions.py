@@ -45,10 +45,11 @@ def run(name, temperature):
     start = time.perf_counter()
     tokens = 0
     outputs = []
-    for prompt, p in zip(prompts, params):  # batch 1: one request at a time
-        (result,) = engine.generate([prompt], p)
-        tokens += len(result.token_ids)
-        outputs.append(result.token_ids)
+    batch = spec["batch"]
+    for i in range(0, len(prompts), batch):  # batch requests at a time
+        for result in engine.generate(prompts[i:i + batch], params[i:i + batch]):
+            tokens += len(result.token_ids)
+            outputs.append(result.token_ids)
     return tokens / (time.perf_counter() - start), outputs
 for name, _, temperature in spec["configs"]:  # warm-up
     engines[name].generate([prompts[0]], SamplingParams(max_new_tokens=8, temperature=temperature, seed=1))
@@ -77,12 +78,14 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="requests generated together")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     trees = dict(t.split("=", 1) for t in args.tree)
     if len(trees) != 2:
         parser.error("give exactly two --tree LABEL=PATH")
-    spec = dict(configs=CONFIGS, requests=CHAT_REQUESTS, new_tokens=args.new_tokens, threads=args.threads)
+    spec = dict(configs=CONFIGS, requests=CHAT_REQUESTS, new_tokens=args.new_tokens, threads=args.threads,
+                batch=args.batch)
     workers = {}
     for label, path in trees.items():
         env = dict(os.environ, PYTHONPATH=str(Path(path).resolve()), OMP_NUM_THREADS=str(args.threads))
@@ -119,7 +122,7 @@ def main(argv=None) -> int:
         print(f"{name:18s} {first} {a:6.1f}  {second} {b:6.1f}  ratio {b / a:.3f}  same tokens: {same}")
     report = dict(date=time.strftime("%Y-%m-%d", time.gmtime(started)), machine=machine(), threads=args.threads,
                   trees=trees, repeats=args.repeats, new_tokens=args.new_tokens, requests=len(CHAT_REQUESTS),
-                  batch=1, rows=rows)
+                  batch=args.batch, rows=rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     # Greedy and seeded outputs must not depend on the revision (gamma="auto" picks gammas from
