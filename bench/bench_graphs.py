@@ -15,7 +15,7 @@ so the same alpha against the shipped draft) whose step reads 2 GB of weights: m
 2. End to end, each batch size and temperature, held-out prompts: the eager PyTorch target-only
    loop (specengine.devtools.benchmark.eager_decode; --no-loop leaves it out), specengine target-only with
    graphs, specengine eager and with cuda_graphs for each gamma, and gamma="auto" with graphs;
-   target-only and each gamma also reading back every --check-every rounds ("blocks"). Tokens/s,
+   target-only and each gamma also reading back every --rounds-per-read rounds ("blocks"). Tokens/s,
    ratios to the eager loop and to target-only read back at the same cadence (every round, or
    every block: a speculative row is only compared with target-only paying the same reads),
    alpha; greedy outputs checked equal to the loop's (to target-only with graphs without it).
@@ -86,8 +86,8 @@ def main():
     parser.add_argument("--eager-gammas", type=int, nargs="*", default=None,
                         help="gammas for specengine eager (default: --gammas; eager rounds are the slow rows)")
     parser.add_argument("--no-auto", action="store_true", help="skip the gamma='auto' rows")
-    parser.add_argument("--check-every", type=int, default=8,
-                        help="also run graphs with check_every=N (rounds from device state; 0 skips)")
+    parser.add_argument("--rounds-per-read", type=int, default=8,
+                        help="also run graphs with rounds_per_read=N (rounds from device state; 0 skips)")
     parser.add_argument("--sections", nargs="+", choices=("steps", "e2e", "phases"), default=["steps", "e2e", "phases"])
     parser.add_argument("--no-loop", action="store_true",
                         help="leave out the eager PyTorch loop (greedy outputs then checked against target-only)")
@@ -158,18 +158,19 @@ def end_to_end(args, target, draft, tokenizer, prompts, device, result, save, gr
     V = target.config.vocab_size
     max_batch = max(args.batches)
     engines = {("graphs", 0): Engine(target, tokenizer, cuda_graphs=True, max_batch_size=max_batch)}
-    if args.check_every > 1:  # target-only reading back as rarely as the speculative blocks do
+    if args.rounds_per_read > 1:  # target-only reading back as rarely as the speculative blocks do
         engines[("blocks", 0)] = Engine(target, tokenizer, cuda_graphs=True, max_batch_size=max_batch,
-                                        check_every=args.check_every)
+                                        rounds_per_read=args.rounds_per_read)
     eager_gammas = args.gammas if args.eager_gammas is None else args.eager_gammas
     for g in eager_gammas:
         engines[("eager", g)] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g)
     for g in args.gammas:
         engines[("graphs", g)] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g,
                                         cuda_graphs=True, max_batch_size=max_batch)
-        if args.check_every > 1:
+        if args.rounds_per_read > 1:
             engines[("blocks", g)] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma=g,
-                                            cuda_graphs=True, max_batch_size=max_batch, check_every=args.check_every)
+                                            cuda_graphs=True, max_batch_size=max_batch,
+                                            rounds_per_read=args.rounds_per_read)
     if not args.no_auto:
         engines[("graphs", "auto")] = Engine(target, tokenizer, ModelDrafter(draft, V, len(tokenizer)), gamma="auto",
                                              max_gamma=max(args.gammas), cuda_graphs=True, max_batch_size=max_batch)
@@ -249,7 +250,7 @@ def end_to_end(args, target, draft, tokenizer, prompts, device, result, save, gr
                 save()
             best = {k: max(gs, key=lambda g: rate[(k, g)]) for k, gs in
                     (("eager", eager_gammas), ("graphs", args.gammas),
-                     ("blocks", args.gammas if args.check_every > 1 else [])) if gs}
+                     ("blocks", args.gammas if args.rounds_per_read > 1 else [])) if gs}
             best_graphs_gamma[(B, T)] = best["graphs"]
             base = loop_rate or graphs_only
             base_name = "eager loop" if loop_rate else "target-only with graphs"
@@ -257,7 +258,7 @@ def end_to_end(args, target, draft, tokenizer, prompts, device, result, save, gr
                                              f"({rate[('graphs', 'auto')] / base:.2f}x)")
             if "blocks" in best:
                 g = best["blocks"]
-                auto += (f"; reading every {args.check_every} rounds: target-only {rate[('blocks', 0)]:.1f}, "
+                auto += (f"; reading every {args.rounds_per_read} rounds: target-only {rate[('blocks', 0)]:.1f}, "
                          f"gamma {g} {rate[('blocks', g)]:.1f} ({rate[('blocks', g)] / rate[('blocks', 0)]:.2f}x "
                          f"target-only at that cadence)")
             eager = (f"specengine eager {rate[('eager', best['eager'])]:.1f} (gamma {best['eager']}, "

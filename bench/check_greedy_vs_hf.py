@@ -49,7 +49,7 @@ if device.type == "cuda":
     engines["spec_graphs"] = Engine.from_pretrained(target, draft, gamma=3, device="cuda", dtype="float32",
                                                     cuda_graphs=True)
     engines["spec_blocks"] = Engine.from_pretrained(target, draft, gamma=3, device="cuda", dtype="float32",
-                                                    cuda_graphs=True, check_every=8)
+                                                    cuda_graphs=True, rounds_per_read=8)
     engines["target_graphs"] = Engine.from_pretrained(target, device="cuda", dtype="float32", cuda_graphs=True)
 tokenizer = engines["spec"].tokenizer
 if args.pair == "shipped":

@@ -254,7 +254,7 @@ def e2e_rows(results: Results) -> tuple[list[dict], dict | None]:
 
 def same_cadence_speedups(rows: list[dict], batch: int = 1, temperature: float = 0.0) -> list[dict]:
     """Each speculative row over target-only read back at the same cadence (every round: "graphs";
-    every check_every rounds: "blocks")."""
+    every rounds_per_read rounds: "blocks")."""
     rate = {(r["kind"], r["gamma"]): r["tokens_per_s"] for r in rows
             if r["batch"] == batch and r["temperature"] == temperature}
     return [dict(kind=kind, gamma=g, speedup=tps / rate[(kind, 0)]) for (kind, g), tps in rate.items()

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 
 from .sampling.params import SamplingParams
 from .server.limits import ServerLimits
@@ -66,12 +67,23 @@ def _engine_arguments(parser: argparse.ArgumentParser, gamma: int | str, gamma_h
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay the draft steps and verifications from CUDA graphs (on CPU: the same "
                              "fixed-shape steps, run eagerly)")
-    parser.add_argument("--check-every", type=int, default=1, metavar="N",
+    parser.add_argument("--rounds-per-read", type=int, default=1, metavar="N",
                         help="with --cuda-graphs: run up to N rounds from device state between reads "
                              "(output streams N rounds at a time)")
+    parser.add_argument("--check-every", dest="rounds_per_read", type=int, action=_OldName, help=argparse.SUPPRESS)
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the target over N ranks: run under `torchrun --nproc-per-node N -m specengine "
                              "...` (NCCL on CUDA, gloo on CPU); rank 0 prints")
+
+
+class _OldName(argparse.Action):
+    """An option's old flag (--check-every for --rounds-per-read): still accepted, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = "--" + self.dest.replace("_", "-")
+        _say(f"warning: {option_string} is now {new}")
+        warnings.warn(f"{option_string} is now {new}", DeprecationWarning)
+        setattr(namespace, self.dest, values)
 
 
 def _check_drafter_options(args):
@@ -310,7 +322,8 @@ def serve(args) -> int:
                                         max_gamma=args.max_gamma, device=args.device, dtype=args.dtype,
                                         weight_dtype=args.weight_dtype, max_seq_len=args.max_seq_len,
                                         cuda_graphs=args.cuda_graphs, max_batch_size=args.max_batch_size,
-                                        check_every=args.check_every, prefill_chunk_tokens=args.prefill_chunk_tokens,
+                                        rounds_per_read=args.rounds_per_read,
+                                        prefill_chunk_tokens=args.prefill_chunk_tokens,
                                         prefix_cache_bytes=args.prefix_cache_mib if args.prefix_cache_mib == "auto"
                                         else args.prefix_cache_mib << 20)
         _say(f"loaded in {time.perf_counter() - start:.1f} s; warming up ...")
@@ -368,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                                         suffix_max_global_tokens=args.suffix_max_global_tokens,
                                         device=args.device, dtype=args.dtype, nvtx=args.nvtx,
                                         weight_dtype=args.weight_dtype, cuda_graphs=args.cuda_graphs,
-                                        max_batch_size=1, check_every=args.check_every,
+                                        max_batch_size=1, rounds_per_read=args.rounds_per_read,
                                         tensor_parallel=args.tensor_parallel)
         quiet = engine.target.tp is not None and engine.target.tp.rank != 0  # rank 0 prints
         if quiet:

@@ -95,7 +95,7 @@ REQUESTS = [(prompt(n, seed=n), SamplingParams(max_new_tokens=m, temperature=t, 
 @pytest.mark.parametrize("drafter, kwargs", [
     ("model", {}), ("ngram", {}), ("none", {}),
     ("model", dict(cuda_graphs=True, max_batch_size=4)),  # padding rows of the bucket are staged rows
-    ("model", dict(cuda_graphs=True, max_batch_size=4, check_every=4)),
+    ("model", dict(cuda_graphs=True, max_batch_size=4, rounds_per_read=4)),
 ])
 def test_outputs_equal_unchunked_prefill_with_prompts_joining_running_rows(models, drafter, kwargs):
     unchunked = make_engine(models, drafter, prefill_chunk_tokens=None, **kwargs)

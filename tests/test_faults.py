@@ -88,7 +88,7 @@ PATHS = {
     "fixed-shape steps": lambda: Engine(MODELS[0], drafter=ModelDrafter(MODELS[1], V, V), gamma=2,
                                         cuda_graphs=True, max_batch_size=3),
     "blocks": lambda: Engine(MODELS[0], drafter=ModelDrafter(MODELS[1], V, V), gamma=2, cuda_graphs=True,
-                             max_batch_size=4, check_every=4),
+                             max_batch_size=4, rounds_per_read=4),
     "auto gamma": lambda: Engine(MODELS[0], drafter=ModelDrafter(MODELS[1], V, V), gamma="auto", max_gamma=4,
                                  costs=FLAT_COSTS),
     "t5": t5_engine,

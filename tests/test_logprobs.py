@@ -194,9 +194,9 @@ def test_stop_strings_cut_the_logprobs_with_the_tokens(text_pair, hf_target):
 
 
 def test_device_rounds_give_way_to_host_rounds_for_logprobs(text_pair, near_draft, hf_target):
-    """check_every > 1 (fixed-shape steps, eager on a CPU): a batch with a row asking for logprobs
+    """rounds_per_read > 1 (fixed-shape steps, eager on a CPU): a batch with a row asking for logprobs
     runs host rounds, with the tokens of blocks."""
-    options = dict(gamma=3, cuda_graphs=True, max_batch_size=8, check_every=4)
+    options = dict(gamma=3, cuda_graphs=True, max_batch_size=8, rounds_per_read=4)
     prompts, params = ragged_batch()
     results = Engine.from_pretrained(text_pair[0], near_draft, **options).generate(prompts, params)
     for result, p in zip(results, params):

@@ -57,7 +57,7 @@ def tokens_of(outputs) -> list[int]:
 @pytest.mark.parametrize("drafter, kwargs", [
     ("model", {}), ("ngram", {}), ("none", {}),
     ("model", dict(cuda_graphs=True, max_batch_size=3)),  # fixed rows: later requests wait
-    ("model", dict(cuda_graphs=True, max_batch_size=4, check_every=4)),  # blocks of rounds from device state
+    ("model", dict(cuda_graphs=True, max_batch_size=4, rounds_per_read=4)),  # blocks of rounds from device state
 ])
 def test_requests_joining_mid_run_get_their_offline_tokens(models, drafter, kwargs):
     engine = make_engine(models, drafter, **kwargs)

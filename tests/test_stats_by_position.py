@@ -6,9 +6,9 @@ import pytest
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.drafters.ngram import NgramDrafter
-from specengine.engine.device_rounds import RowRounds
 from specengine.engine.outputs import Outputs
 from specengine.engine.request import DecodeStats, Request
+from specengine.engine.rounds import RoundResult
 
 from engine_util import tiny_model
 
@@ -22,12 +22,10 @@ def request(gamma: int) -> Request:
 def test_a_host_round_counts_its_drafts_and_acceptances_by_position():
     outputs, r = Outputs(None, (), 1000), request(gamma=4)
     # Three drafts (the row's budget was short of gamma), the first accepted, the second rejected.
-    outputs.apply(r, RowRounds(tokens=[5, 6], rounds=1, draft_calls=3, drafted=3, accepted=1, rejections=1,
-                               histogram=[0, 1, 0, 0]))
+    outputs.apply(r, RoundResult(tokens=[5, 6], emitted=[2], drafted=[3], draft_calls=3))
     assert r.stats.drafted_by_position == [1, 1, 1, 0] and r.stats.accepted_by_position == [1, 0, 0, 0]
     # A round without drafts counts at no position.
-    outputs.apply(r, RowRounds(tokens=[7], rounds=1, draft_calls=0, drafted=0, accepted=0, rejections=0,
-                               histogram=[1]))
+    outputs.apply(r, RoundResult(tokens=[7], emitted=[1], drafted=[0], draft_calls=0))
     assert r.stats.drafted_by_position == [1, 1, 1, 0] and r.stats.accepted_by_position == [1, 0, 0, 0]
     assert r.stats.acceptance_by_position == [1.0, 0.0, 0.0, None]
 
@@ -35,9 +33,9 @@ def test_a_host_round_counts_its_drafts_and_acceptances_by_position():
 def test_a_block_of_rounds_counts_gamma_drafts_in_every_round():
     outputs, r = Outputs(None, (), 1000), request(gamma=3)
     # Four rounds of three drafts: one accepted none, two accepted two, one accepted all three.
-    outputs.apply(r, RowRounds(tokens=list(range(9)), rounds=4, draft_calls=12, drafted=12, accepted=7,
-                               rejections=3, histogram=[1, 0, 2, 1]))
+    outputs.apply(r, RoundResult(tokens=list(range(11)), emitted=[1, 3, 3, 4], drafted=[3] * 4, draft_calls=12))
     s = r.stats
+    assert (s.rounds, s.drafted, s.accepted, s.rejections, s.accepted_histogram) == (4, 12, 7, 3, [1, 0, 2, 1])
     assert s.drafted_by_position == [4, 4, 4] and s.accepted_by_position == [3, 3, 1]
     assert sum(s.drafted_by_position) == s.drafted and sum(s.accepted_by_position) == s.accepted
     assert s.acceptance_by_position == [0.75, 0.75, 0.25]
@@ -81,14 +79,14 @@ def assert_consistent(s: DecodeStats, gamma: int):
     assert s.accepted_by_position[0] == s.rounds - s.accepted_histogram[0]
 
 
-@pytest.mark.parametrize("check_every", [1, 4])
-def test_positions_agree_with_the_other_counters_when_decoding(check_every):
+@pytest.mark.parametrize("rounds_per_read", [1, 4])
+def test_positions_agree_with_the_other_counters_when_decoding(rounds_per_read):
     """Host rounds and blocks from device state (weak and perfect drafts), and the n-gram drafter,
     whose drafts vary in length round to round."""
     target, draft = models()
     for drafter, want_all in ((ModelDrafter(draft, V, V), False), (ModelDrafter(target, V, V), True)):
         engine = Engine(target, drafter=drafter, gamma=3, cuda_graphs=True, max_batch_size=4,
-                        check_every=check_every)
+                        rounds_per_read=rounds_per_read)
         results = engine.generate(PROMPTS, PARAMS)
         for result in results:
             assert_consistent(result.stats, 3)

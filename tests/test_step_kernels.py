@@ -200,8 +200,8 @@ ENGINE_HEAD_DIMS = [64, 128] if torch.cuda.is_available() else [None]
 
 
 @pytest.mark.parametrize("head_dim", ENGINE_HEAD_DIMS)
-@pytest.mark.parametrize("check_every", [1, 3])
-def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(check_every, head_dim):
+@pytest.mark.parametrize("rounds_per_read", [1, 3])
+def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(rounds_per_read, head_dim):
     """Both models on the kernels inside the fixed-shape steps of cuda_graphs (padded buckets,
     attention over the whole capacity, rounds from device state; graphs replayed on a GPU): the
     same tokens as the torch path."""
@@ -225,7 +225,7 @@ def test_the_engine_decodes_alike_with_the_step_kernels_in_fixed_shape_steps(che
         for model in (target, draft):
             model.use_backend("triton" if kernels else "torch")
         engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=2, cuda_graphs=True, max_batch_size=4,
-                        check_every=check_every)
+                        rounds_per_read=rounds_per_read)
         tokens[kernels] = [r.token_ids for r in engine.generate(prompts, params)]
         if kernels:  # (the torch run's backend is "torch" by choice)
             assert_kernels_ran(target, draft)

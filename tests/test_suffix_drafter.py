@@ -195,7 +195,7 @@ def test_drafts_from_the_encoder_input():
 @pytest.mark.parametrize("gamma, options", [
     (1, {}), (3, {}), (8, {}),
     (3, dict(cuda_graphs=True, max_batch_size=3)),  # fixed-shape steps (eager on a CPU); later rows wait
-    (3, dict(cuda_graphs=True, max_batch_size=4, check_every=4)),  # host rounds between blocks
+    (3, dict(cuda_graphs=True, max_batch_size=4, rounds_per_read=4)),  # host rounds between blocks
 ])
 def test_greedy_equals_target_only(target, baseline, gamma, options):
     engine = Engine(target, drafter=SuffixDrafter(), gamma=gamma, **options)

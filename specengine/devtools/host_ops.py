@@ -71,36 +71,36 @@ class HostOps(TorchDispatchMode):
 def per_round(engine, prompts, params) -> dict[str, float]:
     """Host ops and reads per round of engine.generate(prompts, params), its prefill left out
     (only the rounds' own work, Engine._run_round, is counted); and of the rounds run in blocks
-    from device state (engine.device_rounds.run_block), their ops per round and reads per block,
+    from device state (engine.rounds.RoundRunner._block), their ops per round and reads per block,
     the block's setup and its one read included."""
-    from ..engine import rounds as rounds_module
+    from ..engine.rounds import RoundRunner
 
     counter = HostOps()
-    run_round, run_block = engine._run_round, rounds_module.run_block
+    run_round, run_block = engine._run_round, RoundRunner._block
     blocks = dict(blocks=0, rounds=0, ops=0, reads=0)
 
     def counted(joined):
         with counter.count():
             return run_round(joined)
 
-    def counted_block(*args, **kwargs):
+    def counted_block(runner, sampling, sequences, gamma, rounds):
         ops, reads = counter.ops, counter.reads
         try:
-            return run_block(*args, **kwargs)
+            return run_block(runner, sampling, sequences, gamma, rounds)
         finally:
             blocks["blocks"] += 1
-            blocks["rounds"] += args[5]
+            blocks["rounds"] += rounds
             blocks["ops"] += counter.ops - ops
             blocks["reads"] += counter.reads - reads
 
     engine._run_round = counted
-    rounds_module.run_block = counted_block
+    RoundRunner._block = counted_block
     try:
         with counter:
             engine.generate(prompts, params)
     finally:
         del engine._run_round
-        rounds_module.run_block = run_block
+        RoundRunner._block = run_block
     rounds = engine.last_run_rounds
     result = dict(rounds=rounds, ops_per_round=counter.ops / rounds, reads_per_round=counter.reads / rounds)
     if blocks["blocks"]:

@@ -1,6 +1,9 @@
 """How an Engine decodes: every option in one place, checked when it is made."""
 from __future__ import annotations
 
+import functools
+import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,8 +31,9 @@ class EngineConfig:
     GPU; on a CPU the same path runs eagerly.
     max_batch_size: the most requests decoding at once (default 8 with cuda_graphs, otherwise no
     limit: the cache grows as requests join); the others wait in arrival order.
-    check_every: with cuda_graphs, run up to this many rounds from device state before reading
-    the results back (engine.device_rounds); tokens are the same as round by round.
+    rounds_per_read: with cuda_graphs, run up to this many rounds from device state before reading
+    their results back (a block, engine.rounds); tokens are the same as round by round. Its old
+    name, check_every, is still accepted (with a DeprecationWarning).
     prefill_chunk_tokens: prompt tokens a step prefills while other requests decode (joining
     prompts are prefilled a chunk a step, interleaved with the rounds): "auto" (measured: about a
     round's time of prefill; no limit while nothing decodes), a multiple of 32, or None (0): each
@@ -47,7 +51,7 @@ class EngineConfig:
     time_phases: bool = False
     cuda_graphs: bool = False
     max_batch_size: int | None = None
-    check_every: int = 1
+    rounds_per_read: int = 1
     prefill_chunk_tokens: int | str | None = "auto"
     prefix_cache_bytes: int | str = "auto"
 
@@ -65,10 +69,10 @@ class EngineConfig:
             object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         if self.verify_impl not in IMPLEMENTATIONS:
             raise ValueError(f"verify_impl must be one of {IMPLEMENTATIONS}, got {self.verify_impl!r}")
-        if not _positive_int(self.check_every):
-            raise ValueError(f"check_every must be a positive integer, got {self.check_every!r}")
-        if self.check_every > 1 and not self.cuda_graphs:
-            raise ValueError("check_every > 1 runs rounds from device state on the fixed-shape steps: "
+        if not _positive_int(self.rounds_per_read):
+            raise ValueError(f"rounds_per_read must be a positive integer, got {self.rounds_per_read!r}")
+        if self.rounds_per_read > 1 and not self.cuda_graphs:
+            raise ValueError("rounds_per_read > 1 runs rounds from device state on the fixed-shape steps: "
                              "it needs cuda_graphs=True")
         if self.max_batch_size is None and self.cuda_graphs:
             object.__setattr__(self, "max_batch_size", 8)
@@ -83,3 +87,36 @@ class EngineConfig:
         cache = self.prefix_cache_bytes
         if cache != "auto" and not (isinstance(cache, int) and not isinstance(cache, bool) and cache >= 0):
             raise ValueError(f"prefix_cache_bytes must be 'auto' or a number of bytes >= 0 (0: off), got {cache!r}")
+
+
+
+# ---- check_every: rounds_per_read's old name, still accepted (EngineConfig, Engine and
+# Engine.from_pretrained keywords) and read, with a DeprecationWarning
+
+def _warn_check_every():
+    # Pointed at the first caller outside specengine: the user's call, which is what must change.
+    level, frame = 3, sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("specengine."):
+        level, frame = level + 1, frame.f_back
+    warnings.warn("check_every is now called rounds_per_read", DeprecationWarning, stacklevel=level)
+
+
+def _accepting_check_every(init):
+    @functools.wraps(init)
+    def __init__(self, *args, check_every: int | None = None, **kwargs):
+        if check_every is not None:
+            _warn_check_every()
+            if "rounds_per_read" in kwargs:
+                raise ValueError("pass rounds_per_read (check_every is its old name), not both")
+            kwargs["rounds_per_read"] = check_every
+        init(self, *args, **kwargs)
+    return __init__
+
+
+def _check_every(config: EngineConfig) -> int:
+    _warn_check_every()
+    return config.rounds_per_read
+
+
+EngineConfig.__init__ = _accepting_check_every(EngineConfig.__init__)
+EngineConfig.check_every = property(_check_every, doc="rounds_per_read's old name (deprecated)")

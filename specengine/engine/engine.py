@@ -14,7 +14,7 @@ encoder-decoder target (T5) the prompt is the encoder's input: each model encode
 its row joins, and the sequence the rounds extend starts at the decoder's start token.
 
 The parts, one job each: intake (prompts and parameters into requests), scheduler (queue, rows,
-aborts), rounds (the round executor, chosen once), outputs (stop conditions, statistics, text).
+aborts), rounds (the round runner), outputs (stop conditions, statistics, text).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from .phases import Phases
 from .prefill_budget import PrefillBudget
 from .prefix_cache import PrefixCache, default_budget
 from .request import DecodeStats, Request, RequestOutput, Result
-from .rounds import DeviceBlocks, HostRounds
+from .rounds import RoundRunner
 from .scheduler import Scheduler
 
 log = logging.getLogger("specengine")
@@ -98,9 +98,8 @@ class Engine:
             self.target_steps = FixedShapeSteps(target, config.max_batch_size, self.max_seq_len)
             if drafter is not None:
                 drafter.use_static_steps(config.max_batch_size, self.max_seq_len)
-        round_args = (target, drafter, self.target_steps, config.verify_impl, self.phases, self.max_seq_len)
-        self.rounds_executor = (DeviceBlocks(*round_args, config.check_every) if config.check_every > 1
-                                else HostRounds(*round_args))
+        self.round_runner = RoundRunner(target, drafter, self.target_steps, config.verify_impl, self.phases,
+                                        self.max_seq_len, config.rounds_per_read)
         self.intake = Intake(target, tokenizer, self.max_seq_len, self.gamma)
         # Prompt prefixes' KV across requests; an encoder reads its input both ways, so no
         # prefix of it has entries of its own (T5 keeps none).
@@ -128,7 +127,6 @@ class Engine:
         self.last_run_phases: dict[str, float] | None = None
         self.last_run_stats: DecodeStats | None = None
         self.last_run_rounds = 0  # rounds of the whole batch (loop iterations) in the last run
-        self.rounds = 0  # rounds of the running batch so far
         self._previous_gamma = 0  # the last round's drafts (before the first: none, and the draft model unfed)
         self._run_start, self._run_rounds = 0.0, 0  # see _start_run
 
@@ -226,10 +224,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests to free rows, prefill a chunk of the prompts joining (a request
-        whose prefill is done joins the running ones), run one round for every running request (a
-        block of rounds with check_every > 1), and report each: the tokens it gained, the text they
-        complete, whether it finished. Also reports requests that ended outside a step (aborted).
-        A step that only prefilled reports nothing of the requests being prefilled."""
+        whose prefill is done joins the running ones), run the rounds of every running request up
+        to the next read (one, or up to rounds_per_read), and report each: the tokens it gained, the
+        text they complete, whether it finished. Also reports requests that ended outside a step
+        (aborted). A step that only prefilled reports nothing of the requests being prefilled."""
         return self._step(report=True)
 
     @torch.inference_mode()
@@ -282,30 +280,29 @@ class Engine:
         return bool(done.joined)
 
     def _run_round(self, joined: bool) -> InvalidLogitsError | None:
-        """One round (or a block of rounds) for every running request, applied to each. A row whose
-        logits broke (NaN, +inf) ends alone, keeping nothing of the round: the error is returned,
-        to raise once the others' tokens are kept (rows are independent)."""
+        """The rounds of every running request up to the next read (one, or a block), applied to
+        each. A row whose logits broke (NaN, +inf) ends alone, keeping nothing of them: the error
+        is returned, to raise once the others' tokens are kept (rows are independent)."""
         round_start = time.perf_counter()
         active = self.scheduler.running
         controller = self.gamma_controller
         gamma = self._round_gamma(active)
-        outcomes, gamma = self.rounds_executor.run(self.scheduler.batch, gamma)
-        self.rounds += outcomes[0].rounds
+        results, gamma = self.round_runner.run(self.scheduler.batch, gamma)
         if self._check_ranks:
-            tokens = [t for o in outcomes for t in [len(o.tokens), *o.tokens]]
+            tokens = [t for result in results for t in [len(result.tokens), *result.tokens]]
             self.target.tp.check_same(torch.tensor(tokens, device=self.target.tp.device),
-                                      f"tokens emitted in round {self.rounds}")
+                                      f"tokens emitted in round {self.round_runner.rounds_run}")
         failure = None
-        for r, outcome in zip(active, outcomes):
-            if outcome.failure is not None:
-                failure = failure or InvalidLogitsError(outcome.failure)
-                self.scheduler.end(r, f"aborted: its round failed ({outcome.failure})")
+        for r, result in zip(active, results):
+            if result.failure is not None:
+                failure = failure or InvalidLogitsError(result.failure)
+                self.scheduler.end(r, f"aborted: its round failed ({result.failure})")
                 continue
-            r.acceptance.update(outcome.accepted, outcome.rejections)
-            self.outputs.apply(r, outcome)
+            r.acceptance.update(result.accepted, result.rejections)
+            self.outputs.apply(r, result)
             if r.finish_reason is not None and controller is not None:
                 controller.observe_finished(r.acceptance, r.stats.accepted, r.stats.rejections)
-        round_s = (time.perf_counter() - round_start) / outcomes[0].rounds
+        round_s = (time.perf_counter() - round_start) / results[0].rounds
         self.prefill_budget.observe_round(round_s)
         if controller is not None:
             # A drafting round after rounds without drafts, or with rows that just joined, also
@@ -394,7 +391,7 @@ class Engine:
                                "from add_request(): drive those with step()")
         requests = self.intake.requests(prompts, params, None, self.scheduler.unfinished)
         self.phases.reset()
-        self._run_start, self._run_rounds = time.perf_counter(), self.rounds
+        self._run_start, self._run_rounds = time.perf_counter(), self.round_runner.rounds_run
         self.scheduler.add(requests)
         return requests
 
@@ -403,7 +400,7 @@ class Engine:
             self.abort(r.request_id)  # only those an error or an early stop left unfinished
         self.scheduler.take_ended()
         wall = time.perf_counter() - self._run_start
-        self.last_run_rounds = self.rounds - self._run_rounds
+        self.last_run_rounds = self.round_runner.rounds_run - self._run_rounds
         self.last_run_stats = DecodeStats.combine([r.stats for r in requests], wall)
         if self.phases.timed:
             self.last_run_phases = dict(self.phases.seconds, host=wall - sum(self.phases.seconds.values()), total=wall)

@@ -10,8 +10,8 @@ from collections.abc import Collection
 import torch
 
 from ..sampling.logprobs import request_logprobs
-from .device_rounds import RowRounds
 from .request import Request, RequestOutput, Result
+from .rounds import RoundResult
 from .text import settled_length
 
 log = logging.getLogger("specengine")
@@ -23,23 +23,19 @@ class Outputs:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_seq_len = max_seq_len
 
-    def apply(self, r: Request, outcome: RowRounds):
-        """Count a row's round (or block) in its statistics and append its tokens."""
+    def apply(self, r: Request, outcome: RoundResult):
+        """Count a row's rounds in its statistics and append its tokens."""
         s = r.stats
         s.rounds += outcome.rounds
         s.target_calls += outcome.rounds
         s.draft_calls += outcome.draft_calls
-        s.drafted += outcome.drafted
         s.accepted += outcome.accepted
         s.rejections += outcome.rejections
-        for accepted, rounds in enumerate(outcome.histogram):
-            s.accepted_histogram[accepted] += rounds
-        # By draft position: a host round is one round of outcome.drafted drafts, and every round of
-        # a block from device state drafts the same gamma (see device_rounds), so each of the
-        # outcome's rounds drafted drafted / rounds.
-        per_round = outcome.drafted // outcome.rounds if outcome.rounds else 0
-        for position in range(per_round):
-            s.drafted_by_position[position] += outcome.rounds
+        for emitted, drafted in zip(outcome.emitted, outcome.drafted):
+            s.drafted += drafted
+            s.accepted_histogram[emitted - 1] += 1
+            for position in range(drafted):
+                s.drafted_by_position[position] += 1
         if r.logprobs is not None:
             r.logprobs += outcome.logprobs
         self._append(r, outcome.tokens)

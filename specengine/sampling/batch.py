@@ -65,10 +65,16 @@ def check_logits(name: str, logits: torch.Tensor):
         raise InvalidLogitsError(f"{name} logits are -inf for every token of some row")
 
 
+def rows_valid(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, T, V]: [B] bool, whether check_logits would pass on each row (the reduction of
+    logits_valid, kept per row: a row's logits never depend on another's). Device ops only, no
+    synchronisation."""
+    return torch.isfinite(logits.amax(-1)).all(-1)
+
+
 def row_problems(name: str, logits: torch.Tensor) -> dict[int, str]:
-    """Logits [B, ..., V] that failed logits_valid: what check_logits says of each broken row, by
-    row (the others are fine: a row's logits never depend on another's)."""
-    broken = ~torch.isfinite(logits.amax(-1).reshape(logits.shape[0], -1)).all(-1)
+    """Logits [B, T, V] that failed logits_valid: what check_logits says of each broken row, by row."""
+    broken = ~rows_valid(logits)
     problems = {}
     for row in broken.nonzero().flatten().tolist():
         try:

@@ -11,7 +11,7 @@ What is counted, and when:
   from the prefix cache, and the prefix cache's queries and hits), generation tokens, time to
   first token (from AsyncEngine.add_request to the first output carrying tokens), the gaps between
   a request's outputs that carry tokens (one round: 1..gamma+1 tokens; a block of rounds with
-  check_every > 1);
+  rounds_per_read > 1);
 - when a request finishes: its finish reason, its latency, and its speculative-decoding counters
   from its final DecodeStats (rounds, drafts, acceptances by draft position, drafts per round);
 - at each scrape: the requests running and waiting, read from the engine;
