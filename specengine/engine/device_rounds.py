@@ -71,7 +71,7 @@ def run_block(target_steps: FixedShapeSteps, drafter, sampling: SamplingBatch, s
         buffers[name][:B].copy_(getattr(sampling, name))
     round_fn = lambda **b: _round(target_steps, drafter, layout, sampling.filters, verify_impl, **b)  # noqa: E731
     # A round advances its own state and both caches' lengths: a capture's warm-ups are undone.
-    lengths = (target_steps.cache.row_lengths(bucket),) + ((drafter.cache_row_lengths(bucket),) if G > 0 else ())
+    lengths = (target_steps.cache.row_lengths(bucket),) + ((drafter.steps.cache.row_lengths(bucket),) if G > 0 else ())
     for _ in range(rounds):
         with phases("round"):
             target_steps.graphs.run(key, round_fn, state=lengths)
@@ -153,7 +153,7 @@ def _round(target_steps: FixedShapeSteps, drafter, layout: _Layout, filters: boo
     finite[:, 1] *= logits_valid(logits)
     emitted, counts = verify_round(logits, draft_logits, drafts.contiguous(), torch.where(real, G, 0), sampling,
                                    lengths.contiguous(), target_lengths=target_steps.cache.row_lengths(bucket),
-                                   draft_lengths=drafter.cache_row_lengths(bucket) if G > 0 else None,
+                                   draft_lengths=drafter.steps.cache.row_lengths(bucket) if G > 0 else None,
                                    impl=verify_impl)
     # Append the emitted tokens to each row's output (the rest of the row goes to the spill column).
     column = torch.arange(G + 1, device=real.device)

@@ -127,8 +127,10 @@ class HostRounds:
         # CUDA); a broken row's tokens are never kept.
         logit_checks = [(name, t, logits_valid(t)) for name, t in (("draft", proposal.logits), ("target", logits))
                         if t is not None]
-        # (a round without drafts leaves the draft cache as it is: shorter than the target's)
-        draft_lengths = self.drafter.cache_lengths if proposal.tokens.shape[1] > 0 else None
+        # The draft model's staged cache holds the target's positions: the drafts it fed past a
+        # rejection are forgotten with the target's (a round without drafts leaves it shorter).
+        draft_cache = batch.draft_cache if proposal.tokens.shape[1] > 0 else None
+        draft_lengths = draft_cache.lengths if draft_cache is not None else None
         with self.phases("accept"):
             emitted, num_emitted = verify_round(logits, proposal.logits, proposal.tokens, proposal.num_drafts,
                                                 batch.sampling, to_device(lengths, torch.int64, device),
