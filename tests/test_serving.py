@@ -480,9 +480,10 @@ def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(
     # The engine never mixes prompts below GEMM_ROWS tokens with longer ones in a call (they take
     # another GEMM path, see layers.linear); the longer ones go in one call.
     long = [i for i in range(len(prompts)) if len(prompts[i]) - 1 >= GEMM_ROWS]
+    short = [[i] for i in range(len(prompts)) if i not in long]
     with cpu_isa_limit(isa):
         alone = cache_rows_after(wide_bf16_model, prompts, [[i] for i in range(len(prompts))])
-        together = cache_rows_after(wide_bf16_model, prompts, [long] + [[i] for i in range(len(prompts)) if i not in long])
+        together = cache_rows_after(wide_bf16_model, prompts, [long] + short)
     same = all(torch.equal(alone[i][0], together[i][0]) and torch.equal(alone[i][1], together[i][1])
                for i in range(len(prompts)))
     assert same == (block != "one GEMM per call")
