@@ -62,7 +62,7 @@ class Sampling:  # what propose() reads of a SamplingBatch: the device
 def run_pass(drafter: SuffixDrafter, requests: list[list[int]], prompt_tokens: int, new_tokens: int, gamma: int):
     """Decode every request (one batch) against its text; the seconds of each propose() call."""
     rows = len(requests)
-    drafter.add_rows([r[:prompt_tokens] for r in requests], prompt_tokens + new_tokens + gamma + 1)
+    drafter.join_rows([r[:prompt_tokens] for r in requests], prompt_tokens + new_tokens + gamma + 1)
     sequences = [r[:prompt_tokens] for r in requests]
     sampling = Sampling(rows)
     first, rounds, drafted, accepted, calls = None, [], 0, 0, 0

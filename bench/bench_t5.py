@@ -69,11 +69,8 @@ class OracleDrafter(Drafter):
         self.continuations = continuations
         self.rows: list[list[int]] = []
 
-    def add_rows(self, prompts, capacity, prefill=True, sources=None):
+    def join_rows(self, prompts, capacity, sources=None):
         self.rows += [self.continuations[tuple(s)] for s in sources]
-
-    def reserve(self, capacity):
-        pass
 
     def propose(self, sequences, budgets, sampling) -> Proposal:
         drafts = [cont[len(seq) - 1:len(seq) - 1 + budget] for seq, cont, budget in zip(sequences, self.rows, budgets)]

@@ -63,3 +63,22 @@ def assert_kernels_ran(*models):
         assert model.triton_fallback_reason is None, f"the Triton kernels fell back: {model.triton_fallback_reason}"
         if model.device.type == "cuda":
             assert model.backend.name == "triton"
+
+
+def join(drafter, prompts: list[list[int]], capacity: int = 32):
+    """Requests join a drafter as they join the engine's running batch (engine.batch): with a
+    staged_cache, each gets a staged row there holding all but its prompt's last token (prefilled
+    whole), promoted to a row in use; then join_rows."""
+    from specengine.steps.feed import feed
+
+    cache = drafter.staged_cache(capacity)
+    if cache is not None:
+        cache.entries_end_at_lengths = True
+        first = cache.staged
+        cache.reserve(cache.rows_held + len(prompts), capacity)
+        cache.stage_rows(len(prompts))
+        with torch.inference_mode():  # as the engine runs (a fixed cache's buffers are inference tensors)
+            for i, prompt in enumerate(prompts):
+                feed(drafter.model, cache.staged_view(first + i, 1), [prompt[:-1]], cached=[0])
+        cache.promote([first + i for i in range(len(prompts))])
+    drafter.join_rows(prompts, capacity)

@@ -200,7 +200,7 @@ def test_a_draft_context_past_the_drafts_positions_goes_on_target_only(target, b
 
 def test_encoder_decoder_targets_are_refused(target):
     with pytest.raises(ValueError, match="does not pair with an encoder-decoder target"):
-        CrossVocabDrafter(translated_draft(target), permuted_map()).add_rows([[1]], 8, sources=[[1, 2]])
+        CrossVocabDrafter(translated_draft(target), permuted_map()).join_rows([[1]], 8, sources=[[1, 2]])
 
 
 @pytest.mark.slow

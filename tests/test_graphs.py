@@ -10,7 +10,7 @@ from specengine.steps.graphs import FixedShapeSteps, batch_bucket
 from specengine.steps.feed import feed
 from specengine.sampling.batch import SamplingBatch
 
-from engine_util import assert_kernels_ran, device_head_dims, tiny_model
+from engine_util import assert_kernels_ran, device_head_dims, join, tiny_model
 
 V = 40
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27, 1, 3, 9, 27], [11, 5, 2]]
@@ -143,36 +143,58 @@ def test_static_draft_phase_is_one_fixed_shape_computation_and_decodes_as_eager(
     drafter, model = static.drafter, static.drafter.model
     sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * 3, [1, 2, 3], "cpu")
     drafter.keep_rows([])  # rows of its own, not the engine's
-    drafter.add_rows(prompts, 32)
+    join(drafter, prompts)
     with torch.inference_mode():  # as the engine runs (its static buffers are inference tensors)
         first = drafter.propose(prompts, [2, 2, 2], sampling).logits[:, 0]
         # as the eager path leaves it: the catch-up and one draft step fed, the last draft not
-        assert drafter.cache_lengths.tolist() == [len(p) + 1 for p in prompts]
+        assert drafter.cache.lengths.tolist() == [len(p) + 1 for p in prompts]
         for row, prompt in enumerate(prompts):
             fresh = model.new_cache(1, 32)
             want = model.logits(model(torch.tensor([prompt]), fresh.lengths.clone(), fresh))[0, -1]
             torch.testing.assert_close(first[row], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("prefill", [True, False])
-def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed(prefill):
-    """gamma="auto" may draft 0 for a few rounds (and starts without the draft's prefill): the
-    drafter then lacks more than the static width. Its first draft distribution must still be
-    the draft model's on the whole sequence."""
+def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed():
+    """gamma="auto" may draft 0 for a few rounds: the drafter then lacks more than the static
+    width. Its first draft distribution must still be the draft model's on the whole sequence."""
     _, static = engines("cpu")
     drafter, model = static.drafter, static.drafter.model
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)], [1], "cpu")
     drafter.keep_rows([])
-    drafter.add_rows([[1, 2, 3]], 32, prefill=prefill)  # caches [1, 2], or nothing
-    assert drafter.cache_lengths.tolist() == [2 if prefill else 0]
+    join(drafter, [[1, 2, 3]])  # caches [1, 2]
+    assert drafter.cache.lengths.tolist() == [2]
     sequence = [1, 2, 3, 5, 6, 7]  # three target-only rounds later: 4 tokens to catch up on
     with torch.no_grad():
         proposal = drafter.propose([sequence], [2], sampling)
         fresh = model.new_cache(1, 32)
         want = model.logits(model(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[:, -1]
     torch.testing.assert_close(proposal.logits[:, 0], want, atol=1e-5, rtol=1e-5)
-    assert drafter.cache_lengths.tolist() == [len(sequence) + 1]  # the gap, then one draft step
+    assert drafter.cache.lengths.tolist() == [len(sequence) + 1]  # the gap, then one draft step
 
+
+
+@pytest.mark.xfail(strict=True, reason="the drafter's host lengths (fed) miss verification's clip when rounds at "
+                   "gamma 0 follow a rejection: only the engine knows which round verified the drafts")
+@pytest.mark.parametrize("static_steps", [False, True])
+def test_drafter_catch_up_after_a_rejection_then_rounds_without_drafts(static_steps):
+    """A round drafts 3 and its first draft is rejected (verification clips the draft cache to the
+    target's length); then rounds at gamma 0. The next catch-up must feed what the cache lost
+    with the rejection: its first draft distribution is the draft model's on the whole sequence."""
+    eager, static = engines("cpu")
+    engine = static if static_steps else eager
+    drafter, model = engine.drafter, engine.drafter.model
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)], [1], "cpu")
+    drafter.keep_rows([])
+    join(drafter, [[1, 2, 3]])  # caches [1, 2]
+    with torch.inference_mode():
+        drafts = drafter.propose([[1, 2, 3]], [3], sampling).tokens[0].tolist()
+        rejected = (drafts[0] + 1) % V
+        drafter.cache.lengths.clamp_(max=3)  # verification: the target emitted one token, not drafts[0]
+        sequence = [1, 2, 3, rejected, 5, 6]  # two target-only rounds later
+        proposal = drafter.propose([sequence], [2], sampling)
+        fresh = model.new_cache(1, 32)
+        want = model.logits(model(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[:, -1]
+    torch.testing.assert_close(proposal.logits[:, 0], want, atol=1e-5, rtol=1e-5)
 
 def test_eager_draft_steps_see_their_whole_prefix_and_name_their_keys():
     """The eager drafter on ragged rows: every draft distribution is the draft model's on the whole
@@ -182,8 +204,7 @@ def test_eager_draft_steps_see_their_whole_prefix_and_name_their_keys():
     drafter = ModelDrafter(model, V, V)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [7, 7], [3, 9, 27, 1]]
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0.0)] * 3, [1, 2, 3], "cpu")
-    drafter.keep_rows([])  # rows of its own, not the engine's
-    drafter.add_rows(prompts, 32)
+    join(drafter, prompts)
     kv_lens, forward = [], model.forward
 
     def spy(tokens, start_pos, cache, kv_len=None):

@@ -442,15 +442,16 @@ def wide_bf16_model(tmp_path_factory):
 
 
 def cache_rows_after(model, prompts, groups):
-    """K/V entries of each prompt, prefilled in these groups (lists of prompt indices, in order)."""
-    from specengine.steps.feed import append_prompts
+    """K/V entries of each prompt (all but its last token), prefilled in one call per group (lists
+    of prompt indices, padded to the group's longest)."""
+    from specengine.steps.feed import feed
 
     entries = {}
     for group in groups:
         cache = model.new_cache(len(group), 128)
-        cache.reset(0)
+        cache.reset(len(group))
         with torch.inference_mode():
-            append_prompts(model, cache, [prompts[i] for i in group])
+            feed(model, cache, [prompts[i][:-1] for i in group], cached=[0] * len(group))
         for row, i in enumerate(group):
             n = len(prompts[i]) - 1
             entries[i] = (cache.k[:, row, :n].clone(), cache.v[:, row, :n].clone())
@@ -462,6 +463,7 @@ def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(
                                                                                 monkeypatch):
     """The AMX GEMM sums each row on its own; the widened-weight sgemm runs in fixed blocks of rows."""
     from specengine.layers import linear
+    from specengine.layers.linear import GEMM_ROWS
 
     if block == "one GEMM per call":
         # Planted: a product whose summation order follows the rows in the call, as one sgemm over
@@ -475,27 +477,16 @@ def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(
         monkeypatch.setattr(linear, "blocked_gemm", by_call)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (41, 90, 12, 66, 35, 100)]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    # The engine never mixes prompts below GEMM_ROWS tokens with longer ones in a call (they take
+    # another GEMM path, see layers.linear); the longer ones go in one call.
+    long = [i for i in range(len(prompts)) if len(prompts[i]) - 1 >= GEMM_ROWS]
+    short = [[i] for i in range(len(prompts)) if i not in long]
     with cpu_isa_limit(isa):
         alone = cache_rows_after(wide_bf16_model, prompts, [[i] for i in range(len(prompts))])
-        together = cache_rows_after(wide_bf16_model, prompts, [order])
+        together = cache_rows_after(wide_bf16_model, prompts, [long] + short)
     same = all(torch.equal(alone[i][0], together[i][0]) and torch.equal(alone[i][1], together[i][1])
                for i in range(len(prompts)))
     assert same == (block != "one GEMM per call")
-
-
-def test_prefill_groups_stay_on_one_side_of_the_gemm_threshold():
-    from specengine.steps.feed import _similar_lengths
-    from specengine.layers.linear import GEMM_ROWS
-
-    lengths = [2, 3, 3, 30, 31, 32, 33, 40, 200, 210, 900]
-    groups = _similar_lengths(lengths)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    for g in groups:
-        assert len({lengths[i] >= GEMM_ROWS for i in g}) == 1
-        real, padded = sum(lengths[i] for i in g), len(g) * max(lengths[i] for i in g)
-        assert padded <= real + max(real // 4, 64)
-    assert [0, 1, 2] in groups and [10] in groups
 
 
 def test_a_failed_prefill_ends_only_the_joiners(models, monkeypatch):

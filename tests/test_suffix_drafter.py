@@ -104,7 +104,7 @@ def test_longest_match_and_walk():
 
 def test_drafts_from_the_rows_own_tokens():
     drafter = SuffixDrafter()
-    drafter.add_rows([[1, 2, 3, 4, 5, 9]], 64)
+    drafter.join_rows([[1, 2, 3, 4, 5, 9]], 64)
     # The repeated suffix 1 2 3 (three tokens) earns at most three drafts.
     assert propose(drafter, [[1, 2, 3, 4, 5, 9, 1, 2, 3]]) == [[4, 5, 9]]
     assert propose(drafter, [[1, 2, 3, 4, 5, 9, 1, 2, 3]], budget=2) == [[4, 5]]
@@ -118,35 +118,35 @@ def test_draft_length_follows_the_counts():
     seq = [7, 1, 2, 7, 1, 3, 7, 1, 2, 8, 7, 1]
     for min_prob, want in ((0.5, 1), (0.1, 2)):
         drafter = SuffixDrafter(min_prob=min_prob)
-        drafter.add_rows([seq], 64)
+        drafter.join_rows([seq], 64)
         (draft,) = propose(drafter, [seq])
         assert draft[0] == 2 and len(draft) == want
 
 
 def test_nothing_matches_nothing_proposed():
     drafter = SuffixDrafter()
-    drafter.add_rows([[1, 2, 3, 4], [5, 6, 5]], 64)
+    drafter.join_rows([[1, 2, 3, 4], [5, 6, 5]], 64)
     proposal = drafter.propose([[1, 2, 3, 4], [5, 6, 5]], [4, 4], SAMPLING)
     assert proposal.num_drafts.tolist() == [0, 1] and proposal.tokens[1, 0] == 6
     proposal = drafter.propose([[1, 2, 3, 4], [5, 6, 7]], [4, 4], SAMPLING)
     assert proposal.num_drafts.tolist() == [0, 0] and proposal.tokens.shape == (2, 0)
     # A budget of 0 drafts nothing and indexes nothing.
-    drafter.add_rows([[9, 9, 9]], 64)
+    drafter.join_rows([[9, 9, 9]], 64)
     assert drafter.propose([[1, 2, 3, 4], [5, 6, 7], [9, 9, 9]], [0, 0, 0], SAMPLING).tokens.shape == (3, 0)
     assert drafter.rows[2].indexed == 0
 
 
 def test_drafts_from_finished_requests_outputs():
     drafter = SuffixDrafter()
-    drafter.add_rows([[1, 2]], 64)
+    drafter.join_rows([[1, 2]], 64)
     propose(drafter, [[1, 2, 10, 11, 12, 13, 14]])
     drafter.keep_rows([])  # the request left: its output (after its prompt's end) is learned
     assert drafter.global_tokens == 7 and drafter.rows == []
-    drafter.add_rows([[5, 1, 2], [1, 2, 10, 11]], 64)
+    drafter.join_rows([[5, 1, 2], [1, 2, 10, 11]], 64)
     # A match of two tokens drafts two; of four, the rest of that output.
     assert propose(drafter, [[5, 1, 2], [1, 2, 10, 11]]) == [[10, 11], [12, 13, 14]]
     # The row's own tokens win where they match longer.
-    drafter.add_rows([[3, 4, 5, 6, 3, 4, 5, 1, 2, 10, 20, 3, 4, 5, 1, 2, 10]], 64)
+    drafter.join_rows([[3, 4, 5, 6, 3, 4, 5, 1, 2, 10, 20, 3, 4, 5, 1, 2, 10]], 64)
     assert propose(drafter, [[5, 1, 2], [1, 2, 10, 11], drafter.rows[2].prompt])[2] == [20, 3, 4, 5, 1, 2]
 
 
@@ -154,19 +154,19 @@ def test_global_budget_drops_the_oldest_outputs():
     drafter = SuffixDrafter(max_global_tokens=10)
     outputs = [[20, 21, 22, 23], [30, 31, 32, 33], [40, 41, 42, 43]]
     for out in outputs:
-        drafter.add_rows([[1]], 64)
+        drafter.join_rows([[1]], 64)
         propose(drafter, [[1] + out])
         drafter.keep_rows([])
     assert drafter.global_tokens == 10  # [1, 30, ...] and [1, 40, ...]: the first left
     check_tree(drafter.global_tree)
-    drafter.add_rows([[20, 21], [30, 31], [40, 41]], 64)
+    drafter.join_rows([[20, 21], [30, 31], [40, 41]], 64)
     assert propose(drafter, [[20, 21], [30, 31], [40, 41]]) == [[], [32, 33], [42, 43]]
     # An output longer than the whole budget keeps its end.
     drafter.learn(range(100, 130))
     assert drafter.global_tokens == 10 and list(drafter.global_tree.docs.values()) == [list(range(120, 130))]
     check_tree(drafter.global_tree)
     none = SuffixDrafter(max_global_tokens=0)
-    none.add_rows([[1]], 64)
+    none.join_rows([[1]], 64)
     propose(none, [[1, 2, 3]])
     none.keep_rows([])
     assert none.global_tokens == 0
@@ -174,10 +174,10 @@ def test_global_budget_drops_the_oldest_outputs():
 
 def test_rows_follow_keep_rows():
     drafter = SuffixDrafter()
-    drafter.add_rows([[1, 2, 1], [3, 4, 3], [5, 6, 5]], 64)
+    drafter.join_rows([[1, 2, 1], [3, 4, 3], [5, 6, 5]], 64)
     assert propose(drafter, [[1, 2, 1], [3, 4, 3], [5, 6, 5]]) == [[2], [4], [6]]
     drafter.keep_rows([2, 0])  # the middle request left; its output (none) teaches nothing
-    drafter.add_rows([[7, 8, 7]], 64)
+    drafter.join_rows([[7, 8, 7]], 64)
     assert propose(drafter, [[5, 6, 5, 6, 5], [1, 2, 1, 2], [7, 8, 7]]) == [[6, 5], [1, 2], [8]]
     with pytest.raises(RuntimeError, match="3 rows"):
         propose(drafter, [[1]])
@@ -185,7 +185,7 @@ def test_rows_follow_keep_rows():
 
 def test_drafts_from_the_encoder_input():
     drafter = SuffixDrafter()
-    drafter.add_rows([[0], [0]], 16, sources=[[7, 8, 9, 10, 11, 1], [5, 5, 6]])
+    drafter.join_rows([[0], [0]], 16, sources=[[7, 8, 9, 10, 11, 1], [5, 5, 6]])
     assert propose(drafter, [[0, 8, 9], [0, 2]], budget=3) == [[10, 11], []]
 
 

@@ -241,7 +241,7 @@ def test_requests_join_a_running_t5_batch_and_leave_it(t5):
 
 def test_ngram_drafter_copies_from_the_encoder_input():
     drafter = NgramDrafter(1, 3)
-    drafter.add_rows([[0], [0]], 16, sources=[[7, 8, 9, 10, 11, 1], [5, 5, 6]])
+    drafter.join_rows([[0], [0]], 16, sources=[[7, 8, 9, 10, 11, 1], [5, 5, 6]])
     sampling = type("S", (), {"seeds": torch.zeros(2, dtype=torch.int64)})()
     proposal = drafter.propose([[0, 8, 9], [0, 2]], [3, 3], sampling)
     assert proposal.tokens[0].tolist() == [10, 11, 1] and proposal.num_drafts.tolist() == [3, 0]

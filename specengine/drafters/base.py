@@ -31,55 +31,46 @@ class Proposal:
 
 class Drafter(Protocol):
     """Everything the engine asks of a drafter. Drafters subclass it: the members with a body
-    are the defaults of a drafter without a model of its own (the n-gram drafter's)."""
+    are the defaults of a drafter without a model of its own (the n-gram drafter's).
+
+    Rows are the requests in flight, in the order of the target's cache rows. A request joins
+    (join_rows) once its prompt is prefilled and leaves by keep_rows. A drafter whose cache holds
+    the target's positions (a draft model sharing the target's tokenizer) hands the engine that
+    cache (staged_cache): the engine then stages and prefills its rows as it does the target's,
+    grows it with the target's, and verification clips its lengths to the target's (drafts past a
+    rejection are forgotten)."""
 
     model: "Model | None" = None          # the draft model (None: a model-free drafter)
     steps: "FixedShapeSteps | None" = None     # its fixed-shape steps, after use_static_steps
 
-    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True,
-                 sources: list[list[int]] | None = None) -> None:
-        """Append a row per prompt after the rows in flight (requests that joined the batch), for
-        contexts of at most `capacity` tokens. prefill=False: leave the prompts to the rows' first
-        proposal (gamma="auto" may never draft for a request). sources: with an encoder-decoder
-        target, each row's encoder input (the prompts are then the decoder's start); a drafter
-        reads it as it needs (a draft model encodes it, the n-gram drafter copies from it)."""
-        ...
-
     def staged_cache(self, capacity: int) -> "StaticKVCache | None":
-        """The draft model's cache, where the engine stages and prefills the rows of joining requests
-        (a chunk a step, the target's chunks; from the prefix cache) before they join (join_rows),
-        made on first use for contexts of `capacity` tokens. None (the default): the drafter has no
-        such cache, and prefills what it needs itself when rows join."""
+        """The draft model's cache of contexts of `capacity` tokens (made on first use), whose
+        staged rows the engine prefills with the target's chunks (or from the prefix cache) before
+        the requests join. None (the default): the drafter keeps what it needs itself."""
         return None
 
     def join_rows(self, prompts: list[list[int]], capacity: int, sources: list[list[int]] | None = None) -> None:
-        """Requests whose prefill is done join the rows in flight, after them. With a staged_cache,
-        their staged rows there already became rows in use, holding all but each prompt's last token
-        (and the encoder input's entries, with sources). Default: add_rows, prefilling them."""
-        self.add_rows(prompts, capacity, True, sources)
-
-    def reserve(self, capacity: int) -> None:
-        """Room for contexts of `capacity` tokens in every row (the target's cache grew)."""
-
-    def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
-        """Up to budgets[b] draft tokens to follow sequences[b] (max(budgets) >= 1)."""
+        """Requests whose prefill is done join, after the rows in flight: their prompts (each the
+        start of its sequence), for contexts of `capacity` tokens. With a staged_cache, their rows
+        there already hold all but each prompt's last token (and the encoder input's entries).
+        sources: with an encoder-decoder target, each row's encoder input (the prompts are then the
+        decoder's start); a drafter reads it as it needs (the n-gram drafter copies from it)."""
         ...
-
-    @property
-    def cache_lengths(self) -> torch.Tensor | None:
-        """[B] int64 lengths of the drafter's own KV cache (None without one). Verification sets
-        them to min(themselves, the target's new length): drafts past a rejection are forgotten."""
-        return None
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only these rows (in this order); the others' requests have left."""
         ...
 
-    # ---- fixed-shape steps and rounds run from device state (steps.graphs, engine.device_rounds)
+    def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
+        """Up to budgets[b] draft tokens to follow sequences[b] (max(budgets) >= 1)."""
+        ...
+
+    # ---- fixed-shape steps and rounds run from device state (steps.graphs, engine.rounds)
 
     def use_static_steps(self, max_batch_size: int, capacity: int) -> None:
         """Run on a persistent cache of max_batch_size rows through fixed-shape steps (CUDA graphs
-        on a GPU). A drafter without a model has nothing to run there."""
+        on a GPU): steps.cache becomes the staged_cache. A drafter without a model has nothing to
+        run there."""
 
     def runs_in_device_rounds(self, sequences: list[list[int]]) -> bool:
         """Whether the next rounds over these sequences may run from device state: the drafter's
@@ -90,10 +81,6 @@ class Drafter(Protocol):
                              sampling: SamplingBatch, G: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft phase of a round run from device state (see ModelDrafter)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft in rounds run from device state")
-
-    def cache_row_lengths(self, rows: int) -> torch.Tensor:
-        """[rows] int64, the lengths of the first `rows` rows of the persistent cache (a view)."""
-        raise NotImplementedError(f"{type(self).__name__} has no persistent cache")
 
     def resync(self, lengths: list[int]) -> None:
         """After rounds run from device state: the rows now hold sequences of these lengths."""

@@ -11,10 +11,10 @@ Each round, per row:
     token: one target token, one draft position.
 
 The draft keeps its own cache and positions: its context is as many draft ids as the target
-tokens' forms hold, so its lengths are not the target's. Verification therefore does not clip
-them (cache_lengths is None); each proposal rolls a row back itself, to the longest prefix of
-the target tokens it fed that the row's sequence still holds (its drafts past a rejection are
-forgotten), and feeds the forms of the rest.
+tokens' forms hold, so its lengths are not the target's. It keeps that cache itself (no
+staged_cache), and verification does not clip it: each proposal rolls a row back itself, to the
+longest prefix of the target tokens it fed that the row's sequence still holds (its drafts past
+a rejection are forgotten), and feeds the forms of the rest.
 
 A row whose draft context would pass the draft's max_position_embeddings drafts no more (the
 draft was not trained on longer contexts): its rounds are target-only rounds from then on.
@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.loader import Model
-from ..ops.verify import sample_warped
 from ..sampling.batch import SamplingBatch
-from ..sampling.rng import STREAM_DRAFT, uniforms
 from ..steps.feed import feed, to_device
 from .base import Drafter, Proposal
+from .model import sample_drafts
 from .vocab_map import VocabMap
 
 
@@ -78,17 +77,15 @@ class CrossVocabDrafter(Drafter):
 
     # ---- rows
 
-    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True,
-                 sources: list[list[int]] | None = None):
+    def join_rows(self, prompts: list[list[int]], capacity: int, sources: list[list[int]] | None = None):
         if sources is not None:
             raise ValueError("a draft with another tokenizer does not pair with an encoder-decoder target")
         self._settle()
         new = [_Row() for _ in prompts]
-        if prefill:  # every token but the last, whose logits the first proposal needs
-            for row, prompt in zip(new, prompts):
-                for t in prompt[:-1]:
-                    row.append(t, self.vocab.draft_form(t))
-                row.off = len(row.draft) >= self.max_context
+        for row, prompt in zip(new, prompts):  # every token but the last, whose logits the first proposal needs
+            for t in prompt[:-1]:
+                row.append(t, self.vocab.draft_form(t))
+            row.off = len(row.draft) >= self.max_context
         longest = max([len(r.draft) for r in new if not r.off], default=0)
         if self.cache is None:
             self.cache = self.model.new_cache(len(prompts), min(self.max_context, max(capacity, longest + 64)))
@@ -102,9 +99,6 @@ class CrossVocabDrafter(Drafter):
                 r.truncate(0)
         self.rows += new
 
-    def reserve(self, capacity: int):
-        pass  # the draft's context is not the target's: propose() grows the cache as it needs
-
     def _reserve(self, needed: int):
         """Room for `needed` positions per row, at least doubling (contexts grow a round at a time)."""
         if needed > self.cache.capacity:
@@ -115,10 +109,6 @@ class CrossVocabDrafter(Drafter):
         self.rows = [self.rows[i] for i in rows]
         if self.cache is not None:
             self.cache.keep_rows(rows)
-
-    @property
-    def cache_lengths(self) -> None:
-        return None  # not the target's lengths: propose() rolls rows back itself (see the module)
 
     # ---- drafting
 
@@ -152,26 +142,20 @@ class CrossVocabDrafter(Drafter):
         # Rows that draft nothing feed one padding token at position 0 (their cache is unused).
         hidden = feed(self.model, self.cache, [c if c else [0] for c in chunks], cached=starts)
         ends = [max(e, 1) for e in ends]
-        positions = to_device(ends, torch.int64, device)  # each row's first draft position
-        logits = self.model.logits(hidden)
+        longest = max(ends)
+        positions = to_device(ends, torch.int64, device)  # each row's first draft position in the draft's cache
+        # The drafts' uniforms are keyed by the target positions they take, like any draft's.
         target_positions = to_device([len(s) for s in sequences], torch.int64, device)[:, None] + \
             torch.arange(G, device=device)
-        u = uniforms(sampling.seeds, target_positions, STREAM_DRAFT)  # keyed as any draft's: (seed, position)
-        tokens, all_logits = [], []
-        for i in range(G):
-            fitted = self._fit_vocab(logits)
-            token = sample_warped(fitted, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-                                  u[:, i], filters=sampling.filters)
-            tokens.append(token)
-            all_logits.append(fitted)
-            if i + 1 < G:
-                hidden = self.model(self._to_draft[token][:, None], positions + i, self.cache,
-                                    kv_len=max(ends) + i + 1)
-                logits = self.model.logits(hidden)[:, 0]
-        tokens = torch.stack(tokens, 1)
+
+        def step(token: torch.Tensor, i: int) -> torch.Tensor:
+            hidden = self.model(self._to_draft[token][:, None], positions + i, self.cache, kv_len=longest + i + 1)
+            return self.model.logits(hidden)[:, 0]
+        tokens, logits = sample_drafts(self.model.logits(hidden), target_positions, sampling, self._fit_vocab,
+                                       self.vocab_size, step)
         self._pending = (tokens, G, drafting)
         num = [min(b, G) if d else 0 for b, d in zip(budgets, drafting)]
-        return Proposal(tokens, to_device(num, torch.int64, device), torch.stack(all_logits, 1), draft_calls=G)
+        return Proposal(tokens, to_device(num, torch.int64, device), logits, draft_calls=G)
 
     def _catch_up(self, row: _Row, seq: list[int], G: int) -> tuple[list[int], int]:
         """Roll the row back to what its sequence still holds and return (the draft ids to feed,

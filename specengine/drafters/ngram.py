@@ -35,14 +35,10 @@ class NgramDrafter(Drafter):
         self.min_n, self.max_n = min_n, max_n
         self.sources: list[np.ndarray] = []  # each row's encoder input (empty for a decoder-only target)
 
-    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True,
-                 sources: list[list[int]] | None = None):
+    def join_rows(self, prompts: list[list[int]], capacity: int, sources: list[list[int]] | None = None):
         # It reads the sequences themselves; of an encoder-decoder's rows it keeps the inputs.
         self.sources += [np.asarray(s, dtype=np.int64) for s in sources] if sources is not None else \
             [np.zeros(0, dtype=np.int64)] * len(prompts)
-
-    def reserve(self, capacity: int):
-        pass  # no cache
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         drafts = [

@@ -287,14 +287,10 @@ class SuffixDrafter(Drafter):
 
     # ---- the Drafter protocol
 
-    def add_rows(self, prompts: list[list[int]], capacity: int, prefill: bool = True,
-                 sources: list[list[int]] | None = None):
+    def join_rows(self, prompts: list[list[int]], capacity: int, sources: list[list[int]] | None = None):
         # Indexed when first drafted for: a row that never drafts (gamma="auto") costs nothing.
         for i, prompt in enumerate(prompts):
             self.rows.append(_Row(list(prompt), list(sources[i]) if sources is not None else None, self.max_depth))
-
-    def reserve(self, capacity: int):
-        pass  # no cache
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         if len(sequences) != len(self.rows):

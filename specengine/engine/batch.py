@@ -277,9 +277,8 @@ class RunningBatch:
         capacity = self._grown_capacity(positions)
         if capacity == self.cache.capacity:
             return
-        self.cache.reserve(self.cache.allocated_rows, capacity)
-        if self.drafter is not None:
-            self.drafter.reserve(capacity)
+        for _, cache in self._models():
+            cache.reserve(cache.allocated_rows, capacity)
 
     def _grown_capacity(self, positions: int) -> int:
         if positions <= self.cache.capacity:

@@ -246,8 +246,9 @@ class RoundRunner:
                 return self.target_steps(inputs, cache.lengths)
             return self.target.logits(self.target(inputs, cache.lengths.clone(), cache, kv_len=kv_len))
 
-        # (a round without drafts leaves the draft cache as it is: shorter than the target's)
-        draft_lengths = self.drafter.cache_lengths if G > 0 else None
+        # The draft model's staged cache holds the target's positions: the drafts it fed past a
+        # rejection are forgotten with the target's (a round without drafts leaves it shorter).
+        draft_lengths = batch.draft_cache.lengths if G > 0 and batch.draft_cache is not None else None
         logits, _, _ = self._round(layout, log, proposal, batch.sampling, forward, cache.lengths, draft_lengths,
                                    self.phases)
         checked = dict(draft=proposal.logits, target=logits)
@@ -314,7 +315,7 @@ class RoundRunner:
             buffers[name][:B].copy_(getattr(sampling, name))
         round_fn = lambda **b: self._device_round(layout, sampling.filters, **b)  # noqa: E731
         # A round advances its own log and both caches' lengths: a capture's warm-ups are undone.
-        lengths = (steps.cache.row_lengths(bucket),) + ((drafter.cache_row_lengths(bucket),) if gamma > 0 else ())
+        lengths = (steps.cache.row_lengths(bucket),) + ((drafter.steps.cache.row_lengths(bucket),) if gamma > 0 else ())
         for _ in range(rounds):
             with self.phases("round"):
                 steps.graphs.run(key, round_fn, state=lengths)
@@ -347,7 +348,7 @@ class RoundRunner:
             return steps.forward(inputs, positions)[0]
 
         _, emitted, counts = self._round(layout, log, proposal, sampling, forward, steps.cache.row_lengths(bucket),
-                                         self.drafter.cache_row_lengths(bucket) if G > 0 else None, _UNMARKED)
+                                         self.drafter.steps.cache.row_lengths(bucket) if G > 0 else None, _UNMARKED)
         # The next round's last two tokens: positions counts and counts + 1 of [last two, emitted].
         next_two = torch.stack([counts, counts + 1], dim=1)
         last_two.copy_(torch.cat([last_two, emitted.clamp(min=0)], dim=1).gather(1, next_two))

@@ -52,31 +52,6 @@ def feed(model: Model, cache: StaticKVCache, chunks: list[list[int]],
     return hidden[rows, (chunk_lengths - 1).clamp(min=0)]
 
 
-def append_prompts(model: Model, cache: StaticKVCache, prompts: list[list[int]],
-                   sources: list[list[int]] | None = None, prefill: bool = True):
-    """Append a row per prompt to the cache (reserved by the caller) holding all but its last token.
-
-    Prompts go in one call per group of consecutive prompts of similar length (sort them first):
-    a call pads every row to its longest. A group never mixes prompts below GEMM_ROWS tokens with
-    longer ones, which take the blocked GEMMs (see layers.linear): so a prompt's entries are those
-    it gets when prefilled alone, whatever prompts join with it.
-    sources: an encoder-decoder model's encoder inputs, one per row, encoded first (grouped by
-    their lengths alike) into the rows' cross-attention caches; prompts are then the decoder's.
-    prefill=False appends the rows (encoded, with sources) but feeds none of the prompts.
-    """
-    if sources is not None:  # grouped by the encoder's lengths (a decoder's prompts are its start token)
-        cache.reserve_source(max(len(s) for s in sources))
-        groups = _similar_lengths([len(s) for s in sources])
-    else:
-        groups = _similar_lengths([len(p) - 1 for p in prompts])
-    for group in groups:
-        rows = cache.add_rows(len(group))
-        if sources is not None:
-            model.encode(rows, [sources[i] for i in group])
-        if prefill:
-            feed(model, rows, [prompts[i][:-1] for i in group], cached=[0] * len(group))
-
-
 @dataclass(eq=False)
 class PrefillCall:
     """One forward of a prefill: the chunks of consecutive staged rows, padded to one width. It
@@ -156,20 +131,3 @@ def continue_prefill(model: Model, cache: StaticKVCache, calls: list[PrefillCall
             for row, (i, n) in enumerate(zip(call.chunks, call.lengths)):
                 on_hidden(i, hidden[row, :n])
     return finished
-
-
-def _similar_lengths(lengths: list[int]) -> list[list[int]]:
-    """Consecutive groups of indices: each padded to its longest with at most a quarter (or 64
-    tokens) of padding over its real tokens, and all on one side of GEMM_ROWS."""
-    groups: list[list[int]] = []
-    real = longest = 0
-    for i, n in enumerate(lengths):
-        grown = max(longest, n)
-        if (groups and (n >= GEMM_ROWS) == (lengths[groups[-1][0]] >= GEMM_ROWS)
-                and (len(groups[-1]) + 1) * grown <= real + n + max((real + n) // 4, 64)):
-            groups[-1].append(i)
-            real, longest = real + n, grown
-        else:
-            groups.append([i])
-            real = longest = n
-    return groups
