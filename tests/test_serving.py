@@ -461,7 +461,7 @@ def cache_rows_after(model, prompts, groups):
 def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(wide_bf16_model, isa, block,
                                                                                 monkeypatch):
     """The AMX GEMM sums each row on its own; the widened-weight sgemm runs in fixed blocks of rows."""
-    from specengine.layers import linear
+    from specengine.ops import product
 
     if block == "one GEMM per call":
         # Planted: a product whose summation order follows the rows in the call, as one sgemm over
@@ -472,7 +472,7 @@ def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(
             out = sum(torch.nn.functional.linear(x[..., k:k + step], w[:, k:k + step].float())
                       for k in range(0, x.shape[-1], step))
             return out if bias is None else out + bias
-        monkeypatch.setattr(linear, "blocked_gemm", by_call)
+        monkeypatch.setattr(product, "gemm_blocks_cpp", by_call)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (41, 90, 12, 66, 35, 100)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -486,13 +486,13 @@ def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(
 
 def test_prefill_groups_stay_on_one_side_of_the_gemm_threshold():
     from specengine.steps.feed import _similar_lengths
-    from specengine.layers.linear import GEMM_ROWS
+    from specengine.ops.product import GEMM_MIN_TOKENS_PER_ROW
 
     lengths = [2, 3, 3, 30, 31, 32, 33, 40, 200, 210, 900]
     groups = _similar_lengths(lengths)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for g in groups:
-        assert len({lengths[i] >= GEMM_ROWS for i in g}) == 1
+        assert len({lengths[i] >= GEMM_MIN_TOKENS_PER_ROW for i in g}) == 1
         real, padded = sum(lengths[i] for i in g), len(g) * max(lengths[i] for i in g)
         assert padded <= real + max(real // 4, 64)
     assert [0, 1, 2] in groups and [10] in groups

@@ -22,12 +22,12 @@ slower chunk counts at once, while a faster one is only averaged in.
 """
 from __future__ import annotations
 
-from ..layers.linear import GEMM_ROWS
+from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
 
 # Chunks are multiples of this many tokens: the fewest per row whose products take a prefill's
-# GEMM path (layers.linear), which every chunk of a long prompt must take (steps.feed.prefill_chunks).
-# The prefix cache's blocks are multiples of it too.
-CHUNK = GEMM_ROWS
+# GEMM path (ops.product), which every chunk of a long prompt must take (steps.feed.prefill_chunks),
+# so it follows that threshold. The prefix cache's blocks are multiples of it too.
+CHUNK = GEMM_MIN_TOKENS_PER_ROW
 
 
 class PrefillBudget:
@@ -59,7 +59,7 @@ class PrefillBudget:
     def observe_prefill(self, tokens: int, seconds: float):
         """A step's prefill of `tokens` prompt tokens took `seconds` (draft model included), under
         the budget next() gave last."""
-        # Shorter prompts take other products (layers.linear), and unlimited steps prefill whole
+        # Shorter prompts take other products (ops.product), and unlimited steps prefill whole
         # prompts: neither is the chunks' pace.
         if self._chunked and tokens >= CHUNK:
             rate = seconds / tokens

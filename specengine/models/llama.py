@@ -16,7 +16,7 @@ from torch import nn
 from .. import ops
 from ..layers.blocks import BlockEmbedding, BlockLinear, HoldsBlockMatrix, TiedBlockHead
 from ..layers.kv_cache import StaticKVCache
-from ..layers.linear import GEMM_ROWS, Linear, RowParallelLinear
+from ..layers.linear import Linear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.parallel import TensorParallel, TensorParallelError
 from ..layers.rotary import rope_cos_sin, rope_inv_freq
@@ -24,6 +24,7 @@ from ..layers.tracked import KeepsParameterViews
 from ..ops.activation import silu_mul
 from ..ops.attention import attention_mask, cached_attention
 from ..ops.decoder_layer import DecoderLayerWeights, decoder_layer
+from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
 from .backend import Backend, RunsOnBackend
 from .config import ModelConfig
 
@@ -284,8 +285,8 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
         # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
         mask = attention_mask(positions, kv_len, c.sliding_window) if backend.impl == "reference" else None
         step = StepInputs(positions, cos, sin, kv_len, backend.impl, mask)
-        # A prefill-sized call runs op by op, its products GEMMs (see layers.linear).
-        whole_layers = self.whole_layer_weights() if backend.whole_layers and T < GEMM_ROWS else None
+        # A prefill-sized call runs op by op, its products GEMMs (see ops.product).
+        whole_layers = self.whole_layer_weights() if backend.whole_layers and T < GEMM_MIN_TOKENS_PER_ROW else None
         x, delta = self.embed(tokens), None
         for i, layer in enumerate(self.model.layers):
             if whole_layers is not None:  # one C++ call, x updated in place

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from ..layers.kv_cache import StaticKVCache
-from ..layers.linear import GEMM_ROWS
+from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
 from ..models.loader import Model
 
 
@@ -55,9 +55,9 @@ def append_prompts(model: Model, cache: StaticKVCache, prompts: list[list[int]],
     """Append a row per prompt to the cache (reserved by the caller) holding all but its last token.
 
     Prompts go in one call per group of consecutive prompts of similar length (sort them first):
-    a call pads every row to its longest. A group never mixes prompts below GEMM_ROWS tokens with
-    longer ones, which take the blocked GEMMs (see layers.linear): so a prompt's entries are those
-    it gets when prefilled alone, whatever prompts join with it.
+    a call pads every row to its longest. A group never mixes prompts below GEMM_MIN_TOKENS_PER_ROW
+    tokens with longer ones, which take the blocked GEMMs (see ops.product): so a prompt's entries
+    are those it gets when prefilled alone, whatever prompts join with it.
     sources: an encoder-decoder model's encoder inputs, one per row, encoded first (grouped by
     their lengths alike) into the rows' cross-attention caches; prompts are then the decoder's.
     prefill=False appends the rows (encoded, with sources) but feeds none of the prompts.
@@ -85,10 +85,11 @@ def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: li
 
     A row's entries are those of its whole prompt prefilled in one call (steps of a joining
     request are not its results' business): a call's products take the GEMM path by its tokens
-    per row (layers.linear), and either path computes each row on its own, as attention computes
-    each query on its own over the keys before it. So a chunk of a prompt of GEMM_ROWS tokens or
-    more is fed in a call of at least GEMM_ROWS tokens per row (padded), with other such chunks of
-    consecutive rows and similar lengths; a shorter prompt whole, with other short ones alike.
+    per row (ops.product), and either path computes each row on its own, as attention computes
+    each query on its own over the keys before it. So a chunk of a prompt of GEMM_MIN_TOKENS_PER_ROW
+    tokens or more is fed in a call of at least GEMM_MIN_TOKENS_PER_ROW tokens per row (padded),
+    with other such chunks of consecutive rows and similar lengths; a shorter prompt whole, with
+    other short ones alike.
     Each row's length is set from `done` first: a padded bucket of fixed-shape steps may have
     moved a staged row's length (see layers.kv_cache)."""
     calls: list[list[int]] = []
@@ -98,7 +99,8 @@ def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: li
         if calls:
             last = calls[-1]
             grown = max(longest, size)
-            if (rows[i] == rows[last[-1]] + 1 and (n >= GEMM_ROWS) == (whole[last[0]] >= GEMM_ROWS)
+            if (rows[i] == rows[last[-1]] + 1
+                    and (n >= GEMM_MIN_TOKENS_PER_ROW) == (whole[last[0]] >= GEMM_MIN_TOKENS_PER_ROW)
                     and (len(last) + 1) * grown <= real + size + max((real + size) // 4, 64)):
                 last.append(i)
                 longest, real = grown, real + size
@@ -110,7 +112,8 @@ def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: li
         cached = [done[i] for i in call]
         view.lengths.copy_(to_device(cached, torch.int64, model.device))
         hidden = feed(model, view, [chunks[i] for i in call], cached,
-                      min_width=GEMM_ROWS if whole[call[0]] >= GEMM_ROWS else 0, all_positions=on_hidden is not None)
+                      min_width=GEMM_MIN_TOKENS_PER_ROW if whole[call[0]] >= GEMM_MIN_TOKENS_PER_ROW else 0,
+                      all_positions=on_hidden is not None)
         if on_hidden is not None:
             for row, i in enumerate(call):
                 on_hidden(i, hidden[row, :len(chunks[i])])
@@ -119,12 +122,13 @@ def prefill_chunks(model: Model, cache: StaticKVCache, rows: list[int], done: li
 
 def _similar_lengths(lengths: list[int]) -> list[list[int]]:
     """Consecutive groups of indices: each padded to its longest with at most a quarter (or 64
-    tokens) of padding over its real tokens, and all on one side of GEMM_ROWS."""
+    tokens) of padding over its real tokens, and all on one side of GEMM_MIN_TOKENS_PER_ROW."""
     groups: list[list[int]] = []
     real = longest = 0
     for i, n in enumerate(lengths):
         grown = max(longest, n)
-        if (groups and (n >= GEMM_ROWS) == (lengths[groups[-1][0]] >= GEMM_ROWS)
+        if (groups
+                and (n >= GEMM_MIN_TOKENS_PER_ROW) == (lengths[groups[-1][0]] >= GEMM_MIN_TOKENS_PER_ROW)
                 and (len(groups[-1]) + 1) * grown <= real + n + max((real + n) // 4, 64)):
             groups[-1].append(i)
             real, longest = real + n, grown
