@@ -20,6 +20,7 @@ from specengine.models.t5_config import T5Config
 from specengine.sampling.warp import warp_probs
 from specengine.devtools.tiny import make_t5_config, save_random_t5_checkpoint
 from specengine.tokenizer import TokenizerMismatchError
+from conftest import forbid_cpp_products
 from stats_util import chi_square_pvalue
 
 # Original T5 (ReLU, tied head scaled by d_model**-0.5) and v1.1 / Flan-T5 (gated GELU, own head),
@@ -73,12 +74,14 @@ PATHS = {"float32": (torch.float32, "cpp-ops"), "bfloat16-whole-block": (torch.b
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, path, t5):
+def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, path, t5, monkeypatch):
     dtype, backend = PATHS[path]
     folder = t5(variant, dtype=dtype)
     hf, ours = hf_model(folder), load_model(folder)
     assert ours.backend.name == ("cpp-layers" if dtype == torch.bfloat16 else "cpp-ops")  # the loader's choice
     ours.use_backend(backend)
+    if backend == "torch":  # torch's products only
+        forbid_cpp_products(monkeypatch)
     assert (ours.whole_layer_weights() is not None) == (dtype == torch.bfloat16)
     assert ours.head_is_tied == (variant == "t5-relu-tied") == (hf.lm_head.weight is hf.shared.weight)
     ids, mask = padded(SOURCES)
