@@ -356,7 +356,9 @@ def test_whole_block_op_checks_its_arguments_and_equals_the_model_block(t5):
     model.use_backend("cpp-ops")  # the same block op by op
     from specengine.models.t5 import DecoderStep
     step = DecoderStep(positions, 7, source_last, "cpp", table)
-    torch.testing.assert_close(got, model.decoder[0](x.clone(), step, cache), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # as the model runs it (with gradients enabled its products would be torch's)
+        by_ops = model.decoder[0](x.clone(), step, cache)
+    torch.testing.assert_close(got, by_ops, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="qkv must be a contiguous torch.bfloat16"):
         t5_decoder_block(x.clone(), weights._replace(qkv=weights.qkv.float()), *args)
     with pytest.raises(ValueError, match="activation must be one of"):
