@@ -6,7 +6,7 @@
 Models: "default", the default target (SmolLM2-135M-Instruct's Q4_1 GGUF file, its matrices kept
 as stored, float32 compute); a GGUF type name (Q4_1, Q8_0, ...), that SmolLM2 file from
 bench/gguf_files.py's folder; or a path. NAME@bfloat16 loads NAME's matrices dequantized into dense
-bfloat16 tensors (layers.linear's products). For each prompt length, the median milliseconds of one
+bfloat16 tensors (ops.product). For each prompt length, the median milliseconds of one
 prefill (the forward over the prompt and the logits of its last token) on each path, interleaved
 call by call so that all see the same machine:
 
@@ -34,9 +34,8 @@ import torch.nn.functional as F
 
 from specengine import _C, default_pair
 from specengine.devtools.benchmark import machine_name
-from specengine.layers import linear
 from specengine.models import load_model
-from specengine.ops import blocks_cpp
+from specengine.ops import blocks_cpp, product
 
 from common import cpu_name, write_json
 
@@ -68,9 +67,9 @@ def sgemm_product(x: torch.Tensor, matrix, bias: torch.Tensor | None) -> torch.T
 @contextlib.contextmanager
 def products(path: str):
     """Prompt-sized products on `path` while inside."""
-    saved = blocks_cpp.gemm_blocks_cpp, linear.blocked_gemm
+    saved = product.gemm_blocks_cpp
     if path == "sgemm":
-        blocks_cpp.gemm_blocks_cpp = linear.blocked_gemm = sgemm_product
+        product.gemm_blocks_cpp = sgemm_product
     if path == "amx":
         _C.set_cpu_isa_limit("amx")
     elif _C.cpu_isa() == "amx":
@@ -78,7 +77,7 @@ def products(path: str):
     try:
         yield
     finally:
-        blocks_cpp.gemm_blocks_cpp, linear.blocked_gemm = saved
+        product.gemm_blocks_cpp = saved
         _C.set_cpu_isa_limit("amx")
 
 

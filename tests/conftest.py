@@ -139,6 +139,21 @@ def cpu_isa_limit(isa: str):
         _C.set_cpu_isa_limit(SESSION_ISA)
 
 
+# specengine._C's ops that compute matrix products, alone or inside a whole layer.
+CPP_PRODUCTS = ("linear_bf16_weight", "gemm_bf16_weight_amx", "linear_blocks", "gemm_blocks", "decoder_layer",
+                "t5_decoder_block")
+
+
+def forbid_cpp_products(monkeypatch):
+    """Make every C++ matrix product fail the test where it runs."""
+    from specengine import _C
+
+    def cpp_product(*args, **kwargs):
+        raise AssertionError("a C++ matrix product ran")
+    for name in CPP_PRODUCTS:
+        monkeypatch.setattr(_C, name, cpp_product)
+
+
 def portable_cpu_kernels(on: bool = True):
     """The portable loops of CPUs without AVX2/FMA (on), or the widest paths this CPU has."""
     from specengine import _C

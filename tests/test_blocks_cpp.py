@@ -11,7 +11,8 @@ from specengine import _C
 from specengine.ops.attention import cached_attention
 from specengine.ops.blocks import (BLOCK_LAYOUT, BlockMatrix, MatrixPart, WeightType, dequantize_reference,
                                    embedding_rows, linear_blocks)
-from specengine.ops.blocks_cpp import GEMM_ROWS, dequantize_rows_cpp, gemm_blocks_cpp, matrix_descriptor
+from specengine.ops.blocks_cpp import dequantize_rows_cpp, gemm_blocks_cpp, matrix_descriptor
+from specengine.ops.product import GEMM_MIN_TOKENS_PER_ROW
 from specengine.ops.decoder_layer import DecoderLayerWeights, decoder_layer
 from specengine.ops.norm import rms_norm
 
@@ -177,11 +178,11 @@ def test_linear_blocks_matches_the_reference(weight_type, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("shape", [(1, GEMM_ROWS), (1, 33), (2, 40), (1, 65), (3, 64)])
+@pytest.mark.parametrize("shape", [(1, GEMM_MIN_TOKENS_PER_ROW), (1, 33), (2, 40), (1, 65), (3, 64)])
 @pytest.mark.parametrize("weight_type", [WeightType.Q4_1, WeightType.Q8_0, WeightType.Q6_K, WeightType.F16],
                          ids=lambda t: t.name)
 def test_prompt_sized_products_match_the_reference(weight_type, shape, isa):
-    """GEMM_ROWS or more tokens per row: panels of rows dequantized, then float32 GEMM tiles."""
+    """GEMM_MIN_TOKENS_PER_ROW or more tokens per row: panels of rows dequantized, then float32 GEMM tiles."""
     rng = np.random.default_rng(5)
     g = torch.Generator().manual_seed(5)
     K = 512 if weight_type in K_QUANTS else 96
@@ -265,7 +266,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(weight_type, isa):
     K = 512 if weight_type in K_QUANTS else 96
     m = matrix((weight_type, random_blocks(weight_type, 13, K, rng, "gguf")))
     bias = torch.randn(13, generator=g)
-    x = torch.randn(GEMM_ROWS + 1, K, generator=g)
+    x = torch.randn(GEMM_MIN_TOKENS_PER_ROW + 1, K, generator=g)
     with cpu_isa_limit(isa):
         alone = torch.cat([linear_blocks(x[r:r + 1], m, bias, impl="cpp") for r in range(len(x))])
         for R in range(1, len(x) + 1):
@@ -273,7 +274,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(weight_type, isa):
         others = x.clone()
         others[1::2] = torch.randn(others[1::2].shape, generator=g) * 100
         assert torch.equal(linear_blocks(others, m, bias, impl="cpp")[::2], alone[::2])
-        # Decoding rows of a batch [B, T, K] (T < GEMM_ROWS): the same as alone.
+        # Decoding rows of a batch [B, T, K] (T < GEMM_MIN_TOKENS_PER_ROW): the same as alone.
         batch = x[:30].view(6, 5, K)
         assert torch.equal(linear_blocks(batch, m, bias, impl="cpp").view(30, -1), alone[:30])
 

@@ -155,12 +155,12 @@ def test_products_on_hostile_shapes(weight_type):
 
 
 def test_the_kernel_follows_tokens_per_row_and_the_split_the_matrix():
-    """As on the CPU path (ops.blocks_cpp.GEMM_ROWS): fewer than 32 tokens per row run the decode
-    kernel whatever the number of rows, a 2-d x counting as rows of one token; and the split of K
+    """As on the CPU path (ops.product.GEMM_MIN_TOKENS_PER_ROW): fewer than 32 tokens per row run the
+    decode kernel whatever the number of rows, a 2-d x counting as rows of one token; and the split of K
     depends on the matrix's shape only."""
-    from specengine.ops import blocks_cpp
+    from specengine.ops.product import GEMM_MIN_TOKENS_PER_ROW
 
-    assert kernels.GEMM_TOKENS == blocks_cpp.GEMM_ROWS
+    assert kernels.GEMM_TOKENS == GEMM_MIN_TOKENS_PER_ROW
     for N, K in [(576, 576), (3072, 2048), (2048, 5632), (49152, 2048), (7, 32)]:
         decode = [kernels.plan(R, N, K, T) for R, T in [(1, 1), (5, 1), (9, 1), (40, 5), (8 * 65, 31), (4096, 1)]]
         assert {p["kernel"] for p in decode} == {"gemv"}

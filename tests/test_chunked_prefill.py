@@ -29,7 +29,7 @@ def models():
 @pytest.fixture(scope="module")
 def wide_bf16(tmp_path_factory):
     """Two SmolLM2-sized layers with bfloat16-stored matrices: the blocked GEMMs of a prefill, and
-    one C++ call per layer for calls under GEMM_ROWS tokens (layers.linear, models.backend)."""
+    one C++ call per layer for calls under GEMM_MIN_TOKENS_PER_ROW tokens (ops.product, models.backend)."""
     from specengine.devtools.tiny import make_config, save_random_checkpoint
     from specengine.models import load_model
 
@@ -70,7 +70,7 @@ def prefilled_rows(model, prompts: list[list[int]], budget: int | None,
 def test_cache_entries_are_those_of_an_unchunked_prefill_at_every_chunk_edge(models, wide_bf16, which):
     model = models[0] if which.startswith("float32") else wide_bf16
     vocab = model.config.vocab_size
-    # Prefill lengths (prompt - 1) at and around GEMM_ROWS (32) and the chunk edges.
+    # Prefill lengths (prompt - 1) at and around GEMM_MIN_TOKENS_PER_ROW (32) and the chunk edges.
     lengths = [2, 31, 32, 33, 34, 64, 65, 66, 128, 129, 130, 200]
     prompts = [prompt(n, seed=n, vocab=vocab) for n in lengths]
     whole = [prefilled_rows(model, [p], None)[0] for p in prompts]

@@ -87,20 +87,20 @@ def test_the_instruction_set_limit_is_checked_and_restored():
     assert _C.cpu_isa() == widest
 
 
-# Prompt-sized products (GEMM_ROWS or more tokens per row) on CPUs without AMX: the weights
-# widened 32 rows at a time and float32 FMA tiles (layers.linear.blocked_gemm, ops.blocks_cpp).
+# Prompt-sized products (GEMM_MIN_TOKENS_PER_ROW or more tokens per row) on CPUs without AMX: the
+# weights widened 32 rows at a time and float32 FMA tiles (ops.product, ops.blocks_cpp.gemm_blocks_cpp).
 WIDENED_IMPLS = ["avx512", "avx2", "portable"]
 
 
 @pytest.mark.parametrize("isa", WIDENED_IMPLS)
 @pytest.mark.parametrize("T,K,N", [(32, 17, 5), (40, 576, 97), (33, 100, 1), (64, 1536, 33)])
 def test_prompt_sized_products_match_the_float32_reference(isa, T, K, N):
-    from specengine.layers.linear import linear_product
+    from specengine.ops.product import product_cpp
 
     x, weight, bias = operands(2 * T, K, N, bias=N % 2 == 1)
     x = x.view(2, T, K)
     with cpu_isa_limit(isa):
-        got = linear_product(x, weight, bias)
+        got = product_cpp(x, weight, bias)
     exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
     scale = x.double().abs() @ weight.double().abs().t() + (0 if bias is None else bias.double().abs())
     assert got.shape == (2, T, N) and got.dtype == torch.float32
@@ -110,23 +110,24 @@ def test_prompt_sized_products_match_the_float32_reference(isa, T, K, N):
 @pytest.mark.parametrize("isa", WIDENED_IMPLS)
 def test_a_prompts_rows_do_not_depend_on_the_prompts_beside_it(isa):
     """Bitwise: a prompt's product alone, in a batch of prompts (whatever they hold) and cut in
-    chunks of GEMM_ROWS or more tokens."""
-    from specengine.layers.linear import GEMM_ROWS, linear_product
+    chunks of GEMM_MIN_TOKENS_PER_ROW or more tokens."""
+    from specengine.ops.product import GEMM_MIN_TOKENS_PER_ROW, product_cpp
 
     x, weight, bias = operands(3 * 100, 576, 200, bias=True)
     prompts = x.view(3, 100, 576)
     with cpu_isa_limit(isa):
-        alone = linear_product(prompts[1:2], weight, bias)
-        assert torch.equal(linear_product(prompts, weight, bias)[1:2], alone)
+        alone = product_cpp(prompts[1:2], weight, bias)
+        assert torch.equal(product_cpp(prompts, weight, bias)[1:2], alone)
         prompts[0] = 1000.0
-        assert torch.equal(linear_product(prompts, weight, bias)[1:2], alone)
-        chunks = [linear_product(prompts[1:2, t:t + 50], weight, bias) for t in (0, 50)]
+        assert torch.equal(product_cpp(prompts, weight, bias)[1:2], alone)
+        chunks = [product_cpp(prompts[1:2, t:t + 50], weight, bias) for t in (0, 50)]
         assert torch.equal(torch.cat(chunks, dim=1), alone)
-        assert torch.equal(linear_product(prompts[1:2, 60:60 + GEMM_ROWS], weight, bias), alone[:, 60:60 + GEMM_ROWS])
+        one_chunk = slice(60, 60 + GEMM_MIN_TOKENS_PER_ROW)
+        assert torch.equal(product_cpp(prompts[1:2, one_chunk], weight, bias), alone[:, one_chunk])
 
 
 def same_bits_in_any_batch(product, prompts: torch.Tensor) -> bool:
-    """Whether product(x) gives short prompts [B, T < GEMM_ROWS, K] (as a prefill batches them)
+    """Whether product(x) gives short prompts [B, T < GEMM_MIN_TOKENS_PER_ROW, K] (as a prefill batches them)
     and one-token rows (as a decode step does) the same bits alone and beside any others."""
     same = True
     alone = [product(prompts[b:b + 1]) for b in (0, 17, 39)]
@@ -140,14 +141,14 @@ def same_bits_in_any_batch(product, prompts: torch.Tensor) -> bool:
 @pytest.mark.parametrize("isa", WIDENED_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_a_layers_rows_get_the_same_bits_in_any_batch(dtype, isa):
-    """A model layer's product (layers.linear): steps.feed batches short prompts on this."""
-    from specengine.layers.linear import linear_product
+    """A model layer's C++ product (ops.product): steps.feed batches short prompts on this."""
+    from specengine.ops.product import product_cpp
 
     g = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(97, 576, generator=g).to(dtype), torch.randn(97, generator=g)
     prompts = torch.randn(40, 5, 576, generator=g)
     with torch.no_grad(), cpu_isa_limit(isa):
-        assert same_bits_in_any_batch(lambda x: linear_product(x, weight, bias), prompts)
+        assert same_bits_in_any_batch(lambda x: product_cpp(x, weight, bias), prompts)
 
 
 def test_a_sum_whose_order_follows_the_batch_fails_the_batch_test():

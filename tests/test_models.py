@@ -10,7 +10,7 @@ from specengine.models.llama import Attention
 from specengine.ops import attention
 
 from bounds import AMX_TERMS, Float64Llama
-from conftest import ARCH_CASES, cpu_isa_limit
+from conftest import ARCH_CASES, cpu_isa_limit, forbid_cpp_products
 
 # Our float32 CPU forward runs specengine._C's fused layer ops: each whole decoder layer in one
 # call where the matrices are stored in bfloat16 (a bfloat16 checkpoint), else one call per op.
@@ -45,7 +45,7 @@ def load(case: str, layer_ops: str, checkpoint, monkeypatch):
             raise AssertionError("the whole-layer op was not taken")
         monkeypatch.setattr(Attention, "forward", per_op_path)
         # at any row count (the model leaves prefill-sized calls to GEMMs, tested below)
-        monkeypatch.setattr(llama, "GEMM_ROWS", 10**9)
+        monkeypatch.setattr(llama, "GEMM_MIN_TOKENS_PER_ROW", 10**9)
     return hf, ours
 
 
@@ -97,9 +97,10 @@ def test_prefill_matches_transformers_on_ragged_batch(case, layer_ops, checkpoin
 @pytest.mark.parametrize("isa", ["amx", "avx512"])
 @pytest.mark.parametrize("case", ["llama3-rope-gqa", "qwen3-qk-norm-tied"])
 def test_a_prefill_of_many_rows_takes_gemms_and_matches_transformers(case, isa, checkpoint, monkeypatch):
-    """From GEMM_ROWS rows on, a bfloat16 checkpoint's products are GEMMs (the per-op path), not
-    the few-row C++ op: AMX tiles where the CPU has them, else float32 GEMMs on widened weights."""
-    from specengine.layers import linear
+    """From GEMM_MIN_TOKENS_PER_ROW rows on, a bfloat16 checkpoint's products are GEMMs (the per-op
+    path), not the few-row C++ op: AMX tiles where the CPU has them, else float32 GEMMs on widened
+    weights."""
+    from specengine.ops import product
 
     ours = load_model(checkpoint(case, torch.bfloat16))
     calls = {"few-row": 0, "amx": 0, "widened": 0}
@@ -109,9 +110,9 @@ def test_a_prefill_of_many_rows_takes_gemms_and_matches_transformers(case, isa, 
             calls[name] += 1
             return op(*args)
         return run
-    monkeypatch.setattr(linear, "linear_bf16_weight_cpp", counted("few-row", linear.linear_bf16_weight_cpp))
-    monkeypatch.setattr(linear, "gemm_bf16_weight_amx_cpp", counted("amx", linear.gemm_bf16_weight_amx_cpp))
-    monkeypatch.setattr(linear, "blocked_gemm", counted("widened", linear.blocked_gemm))
+    monkeypatch.setattr(product, "linear_bf16_weight_cpp", counted("few-row", product.linear_bf16_weight_cpp))
+    monkeypatch.setattr(product, "gemm_bf16_weight_amx_cpp", counted("amx", product.gemm_bf16_weight_amx_cpp))
+    monkeypatch.setattr(product, "gemm_blocks_cpp", counted("widened", product.gemm_blocks_cpp))
     sequence = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = ours.new_cache(1, 48)
     with cpu_isa_limit(isa), torch.no_grad():
@@ -123,6 +124,32 @@ def test_a_prefill_of_many_rows_takes_gemms_and_matches_transformers(case, isa, 
     exact = exact_forward(hf).logits(sequence, AMX_TERMS if isa == "amx" else 1)
     exact.check(logits[0])
     exact.check(hf_logits(hf, sequence), "transformers")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16-stored"])
+@pytest.mark.parametrize("case", ["llama3-rope-gqa", "qwen3-qk-norm-tied"])
+def test_the_torch_backend_runs_no_cpp_product(case, dtype, checkpoint, monkeypatch):
+    """model.use_backend("torch") on a CPU float32 model (matrices in float32, or kept in bfloat16)
+    runs torch's products at every size, prefill and decoding, never a C++ one, and gives
+    transformers' float32 logits."""
+    folder = checkpoint(case, dtype)
+    ours = load_model(folder)
+    assert (ours.device.type, ours.dtype, ours.backend.name) == ("cpu", torch.float32, "cpp-layers" if
+                                                                 dtype == torch.bfloat16 else "cpp-ops")
+    forbid_cpp_products(monkeypatch)
+    sequence = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad(), pytest.raises(AssertionError, match="a C\\+\\+ matrix product ran"):
+        ours(torch.tensor([sequence]), torch.zeros(1, dtype=torch.int64), ours.new_cache(1, 48))  # the check bites
+    ours.use_backend("torch")
+    cache = ours.new_cache(1, 48)
+    with torch.no_grad():
+        prefill = ours.logits(ours(torch.tensor([sequence[:-1]]), torch.zeros(1, dtype=torch.int64), cache))
+        cache.lengths.add_(len(sequence) - 1)
+        step = ours.logits(ours(torch.tensor([sequence[-1:]]), cache.lengths.clone(), cache))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    exact = exact_logits(hf, sequence)
+    exact[:-1].check(prefill[0], "prefill")
+    exact[-1].check(step[0, 0], "decoding step")
 
 
 @LAYER_OPS

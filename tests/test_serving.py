@@ -462,8 +462,8 @@ def cache_rows_after(model, prompts, groups):
 def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(wide_bf16_model, isa, block,
                                                                                 monkeypatch):
     """The AMX GEMM sums each row on its own; the widened-weight sgemm runs in fixed blocks of rows."""
-    from specengine.layers import linear
-    from specengine.layers.linear import GEMM_ROWS
+    from specengine.ops import product
+    from specengine.ops.product import GEMM_MIN_TOKENS_PER_ROW
 
     if block == "one GEMM per call":
         # Planted: a product whose summation order follows the rows in the call, as one sgemm over
@@ -474,12 +474,12 @@ def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(
             out = sum(torch.nn.functional.linear(x[..., k:k + step], w[:, k:k + step].float())
                       for k in range(0, x.shape[-1], step))
             return out if bias is None else out + bias
-        monkeypatch.setattr(linear, "blocked_gemm", by_call)
+        monkeypatch.setattr(product, "gemm_blocks_cpp", by_call)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (41, 90, 12, 66, 35, 100)]
-    # The engine never mixes prompts below GEMM_ROWS tokens with longer ones in a call (they take
-    # another GEMM path, see layers.linear); the longer ones go in one call.
-    long = [i for i in range(len(prompts)) if len(prompts[i]) - 1 >= GEMM_ROWS]
+    # The engine never mixes prompts below GEMM_MIN_TOKENS_PER_ROW tokens with longer ones in a
+    # call (they take another product, see ops.product); the longer ones go in one call.
+    long = [i for i in range(len(prompts)) if len(prompts[i]) - 1 >= GEMM_MIN_TOKENS_PER_ROW]
     short = [[i] for i in range(len(prompts)) if i not in long]
     with cpu_isa_limit(isa):
         alone = cache_rows_after(wide_bf16_model, prompts, [[i] for i in range(len(prompts))])

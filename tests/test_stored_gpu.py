@@ -25,6 +25,7 @@ from specengine.drafters.model import ModelDrafter  # noqa: E402
 from specengine.kernels import blocks as kernels  # noqa: E402
 from specengine.layers import blocks as block_layers  # noqa: E402
 from specengine.ops import blocks_triton  # noqa: E402
+from specengine.ops.product import triton_backend_product  # noqa: E402
 from specengine.steps.feed import feed  # noqa: E402
 
 from engine_util import assert_kernels_ran, device_head_dims, tiny_model  # noqa: E402
@@ -98,7 +99,7 @@ def test_stored_matrices_on_the_triton_backend(device, head_dim, weight_type, mo
     assert not products  # the torch backend computes from dequantized matrices
     got = run_logits(model, "triton")
     assert_kernels_ran(model)
-    assert model.backend.name == "triton" and model.model.layers[0].mlp.down_proj.impl == "triton"
+    assert model.backend.name == "triton" and model.model.layers[0].mlp.down_proj.product is triton_backend_product
     assert {shape[-2] for shape in products if len(shape) == 3} >= {1, 3}  # decode and verification steps
     # float32 summation order only: a wrong weight (a nibble, a scale) is orders of magnitude out
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

@@ -20,6 +20,7 @@ from specengine.models.t5_config import T5Config
 from specengine.sampling.warp import warp_probs
 from specengine.devtools.tiny import make_t5_config, save_random_t5_checkpoint
 from specengine.tokenizer import TokenizerMismatchError
+from conftest import forbid_cpp_products
 from stats_util import chi_square_pvalue
 
 # Original T5 (ReLU, tied head scaled by d_model**-0.5) and v1.1 / Flan-T5 (gated GELU, own head),
@@ -73,12 +74,14 @@ PATHS = {"float32": (torch.float32, "cpp-ops"), "bfloat16-whole-block": (torch.b
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, path, t5):
+def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, path, t5, monkeypatch):
     dtype, backend = PATHS[path]
     folder = t5(variant, dtype=dtype)
     hf, ours = hf_model(folder), load_model(folder)
     assert ours.backend.name == ("cpp-layers" if dtype == torch.bfloat16 else "cpp-ops")  # the loader's choice
     ours.use_backend(backend)
+    if backend == "torch":  # torch's products only
+        forbid_cpp_products(monkeypatch)
     assert (ours.whole_layer_weights() is not None) == (dtype == torch.bfloat16)
     assert ours.head_is_tied == (variant == "t5-relu-tied") == (hf.lm_head.weight is hf.shared.weight)
     ids, mask = padded(SOURCES)
@@ -353,7 +356,9 @@ def test_whole_block_op_checks_its_arguments_and_equals_the_model_block(t5):
     model.use_backend("cpp-ops")  # the same block op by op
     from specengine.models.t5 import DecoderStep
     step = DecoderStep(positions, 7, source_last, "cpp", table)
-    torch.testing.assert_close(got, model.decoder[0](x.clone(), step, cache), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # as the model runs it (with gradients enabled its products would be torch's)
+        by_ops = model.decoder[0](x.clone(), step, cache)
+    torch.testing.assert_close(got, by_ops, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="qkv must be a contiguous torch.bfloat16"):
         t5_decoder_block(x.clone(), weights._replace(qkv=weights.qkv.float()), *args)
     with pytest.raises(ValueError, match="activation must be one of"):

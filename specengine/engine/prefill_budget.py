@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layers.linear import GEMM_ROWS
+from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
 
 # Chunks are multiples of this many tokens: the fewest per row whose products take a prefill's
-# GEMM path (layers.linear), which every chunk of a long prompt must take (steps.feed.prefill_chunks).
-# The prefix cache's blocks are multiples of it too.
-CHUNK = GEMM_ROWS
+# GEMM path (ops.product), which every chunk of a long prompt must take (steps.feed.prefill_chunks),
+# so it follows that threshold. The prefix cache's blocks are multiples of it too.
+CHUNK = GEMM_MIN_TOKENS_PER_ROW
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class PrefillBudget:
         """A step's prefill worked on chunks of `tokens` prompt tokens, running `share` of their
         target layers (1.0: whole chunks), in `seconds` (draft model included), under the budget
         next() gave last."""
-        # Shorter prompts take other products (layers.linear), and unlimited steps prefill whole
+        # Shorter prompts take other products (ops.product), and unlimited steps prefill whole
         # prompts: neither is the chunks' pace.
         if self._chunked and tokens >= CHUNK and share > 0:
             rate = seconds / (tokens * share)

@@ -30,9 +30,11 @@ import torch
 
 from .prefill_budget import CHUNK
 
-# Tokens per block: a multiple of the prefill's chunk, so that a request given cached blocks
-# starts its own prefill on a chunk edge, as chunked prompts do; large enough that hashing and
-# copying a block's entries cost little beside computing them.
+# Tokens per block: a multiple of the prefill's chunk (which is the GEMM threshold,
+# ops.product.GEMM_MIN_TOKENS_PER_ROW), so that a request given cached blocks starts its own
+# prefill on a chunk edge, as chunked prompts do, its products on the path its whole prefill
+# would take; large enough that hashing and copying a block's entries cost little beside
+# computing them.
 BLOCK = 2 * CHUNK
 
 

@@ -7,15 +7,17 @@ they change. Off the CPU (holds_parts_merged) a module holds each run of consecu
 weight type as one part (BlockMatrix.merged), merged where the parts arrive there (set_parts, or
 a move): the Triton kernels launch once per part, and a GPU holds a copy of the bytes anyway,
 whereas a CPU's parts stay views of the file's memory map (the C++ op takes every part in one
-call). `impl` is the ops' implementation the model's backend runs (models.backend sets it
-when it chooses a backend), so that a forward tests no flags.
+call). The products are the model's backend's (ops.product, layers.linear.ProductLayer) and the
+embedding's lookup runs the backend's implementation (`impl`): models.backend sets both when it
+chooses a backend, so that a forward tests no flags.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..ops.blocks import BlockMatrix, MatrixPart, WeightType, embedding_rows, linear_blocks
+from ..ops.blocks import BlockMatrix, MatrixPart, WeightType, embedding_rows
+from .linear import ProductLayer
 from .tracked import TracksParameterAssignments
 
 
@@ -26,8 +28,6 @@ def holds_parts_merged(device: torch.device) -> bool:
 
 class HoldsBlockMatrix(nn.Module):
     """A module whose matrix is the parts registered as buffers part_0, part_1, ..."""
-
-    impl = "reference"
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -74,7 +74,7 @@ class HoldsBlockMatrix(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, stored={types}"
 
 
-class BlockLinear(HoldsBlockMatrix):
+class BlockLinear(ProductLayer, HoldsBlockMatrix):
     """x @ W^T + bias over a matrix as stored."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
@@ -82,11 +82,13 @@ class BlockLinear(HoldsBlockMatrix):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return block_product(x, self.matrix, self.bias, self.impl)
+        return self.product(x, self.matrix, self.bias)
 
 
 class BlockEmbedding(HoldsBlockMatrix):
     """Rows of a matrix as stored, looked up by token id (float32)."""
+
+    impl = "reference"  # ops.blocks.embedding_rows's implementation: the model's backend's
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(embedding_dim, num_embeddings)
@@ -95,10 +97,8 @@ class BlockEmbedding(HoldsBlockMatrix):
         return embedding_rows(self.matrix, ids, self.impl)
 
 
-class TiedBlockHead(nn.Module):
+class TiedBlockHead(ProductLayer, nn.Module):
     """An output head whose matrix is an embedding's (tie_word_embeddings): no bytes of its own."""
-
-    impl = "reference"
 
     def __init__(self, embedding: BlockEmbedding):
         super().__init__()
@@ -110,15 +110,4 @@ class TiedBlockHead(nn.Module):
         return self._embedding[0].matrix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return block_product(x, self.matrix, None, self.impl)
-
-
-def block_product(x: torch.Tensor, matrix: BlockMatrix, bias: torch.Tensor | None, impl: str) -> torch.Tensor:
-    """x [..., K] @ matrix^T + bias on `impl` (gradients, i.e. training, run the reference). A
-    prefill-sized x (many tokens per row) runs as GEMMs in the "cpp" op (ops.blocks_cpp)."""
-    if torch.is_grad_enabled():
-        impl = "reference"
-    return linear_blocks(x, matrix, bias, impl, check=False)
-
-
-BLOCK_MODULES = (HoldsBlockMatrix, TiedBlockHead)
+        return self.product(x, self.matrix, None)

@@ -2,24 +2,29 @@
 
   "cpp-layers"  a CPU, float32 compute, every matrix stored in bfloat16 (the loader's choice for a
                 bfloat16 checkpoint there), the model unsplit: each decoder layer of a decode-sized
-                call (fewer than GEMM_ROWS tokens per row) is one C++ call (ops.decoder_layer),
-                instead of about 20 Python and torch calls; prefill-sized calls run "cpp-ops",
-                whose products become GEMMs (layers.linear)
+                call (fewer than ops.product.GEMM_MIN_TOKENS_PER_ROW tokens per row) is one C++
+                call (ops.decoder_layer), instead of about 20 Python and torch calls; prefill-sized
+                calls run "cpp-ops", whose products are GEMMs (ops.product)
   "cpp-ops"     a CPU, float32 compute: specengine._C's ops one by one (norms, attention)
   "triton"      CUDA: specengine.kernels' step kernels (norms with the residual add, rotary with
-                the cache write and Qwen3's q/k norms, split-KV attention, SiLU-and-multiply);
-                on a CPU only under Triton's interpreter (TRITON_INTERPRET=1: tests)
-  "torch"       torch ops on any device and dtype: the reference of the others
+                the cache write and Qwen3's q/k norms, split-KV attention, SiLU-and-multiply,
+                products of stored matrices; dense matrices run torch's product); on a CPU only
+                under Triton's interpreter (TRITON_INTERPRET=1: tests)
+  "torch"       torch ops on any device and dtype, products included (F.linear on the weights
+                dequantized or widened to the compute dtype): the reference of the others
 
 Default: "triton" on CUDA (where the model has it, else "torch"); on a CPU with float32 compute
 "cpp-layers" where it can run, else "cpp-ops"; otherwise "torch". The loader chooses when it
 builds a model (models.loader.empty_model), a model built directly in its constructor, and moving
 or casting a model (model.to(...)) chooses again; model.use_backend(name) asks for one, and a
 ValueError says why it cannot run the model. ops/ takes the choice from there: each op is called
-with the backend's implementation (Backend.impl: "cpp", "triton" or "reference").
+with the backend's implementation (Backend.impl: "cpp", "triton" or "reference"), and every
+matrix product is the backend's (Backend.product, from ops.product), set into the model's layers
+(layers.linear.ProductLayer) when the backend is chosen.
 
 One condition is per call: a forward with gradients enabled (training) runs "torch", since the
-C++ ops and the Triton kernels have no autograd.
+C++ ops and the Triton kernels have no autograd (its products too, where autograd records them:
+ops.product).
 
 The first forward on "triton" compiles the kernels. If that fails (a Triton that cannot compile
 them for this GPU), the model says why once (a warning, and triton_fallback_reason), redoes that
@@ -29,12 +34,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
-from ..layers.blocks import BLOCK_MODULES
+from ..layers.blocks import BlockEmbedding
+from ..layers.linear import ProductLayer
+from ..ops.product import PRODUCTS
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +50,13 @@ class Backend(NamedTuple):
     name: str           # a key of BACKENDS
     impl: str           # what its ops run: "cpp", "triton" or "reference" (each op's impl)
     whole_layers: bool  # decode-sized calls run each decoder layer as one C++ call
+    product: Callable[..., torch.Tensor]  # every matrix product of the model: ops.product's of impl
 
 
-BACKENDS = {b.name: b for b in (Backend("cpp-layers", "cpp", True), Backend("cpp-ops", "cpp", False),
-                                Backend("triton", "triton", False), Backend("torch", "reference", False))}
+BACKENDS = {b.name: b for b in (Backend("cpp-layers", "cpp", True, PRODUCTS["cpp"]),
+                                Backend("cpp-ops", "cpp", False, PRODUCTS["cpp"]),
+                                Backend("triton", "triton", False, PRODUCTS["triton"]),
+                                Backend("torch", "reference", False, PRODUCTS["reference"]))}
 TORCH = BACKENDS["torch"]
 
 
@@ -105,7 +115,7 @@ class RunsOnBackend(nn.Module):
         """Run on backend `name` from the next forward on (None: the default for this model's device
         and dtypes); a ValueError says why it cannot run the model. Returns the backend."""
         self.backend = choose_backend(self, name)
-        self._set_matrix_impl(self.backend.impl)
+        self._set_layer_ops(self.backend)
         self._requested_backend = name
         self.triton_fallback_reason = None
         self._backend_proven = self.backend.name != "triton"
@@ -122,18 +132,20 @@ class RunsOnBackend(nn.Module):
             out = forward(*args, self.backend)
         except Exception as exc:  # noqa: BLE001 (any failure means: the torch path, and say why)
             self.backend, self.triton_fallback_reason = TORCH, f"{type(exc).__name__}: {exc}"
-            self._set_matrix_impl(TORCH.impl)
+            self._set_layer_ops(TORCH)
             self._backend_proven = True
             log.warning("the Triton step kernels failed (%s); running the torch path", self.triton_fallback_reason)
             return forward(*args, TORCH)
         self._backend_proven = True
         return out
 
-    def _set_matrix_impl(self, impl: str):
-        """Matrices kept as stored (layers.blocks) run their products on the backend's implementation."""
+    def _set_layer_ops(self, backend: Backend):
+        """The layers run the backend's products, and stored embeddings its lookup."""
         for module in self.modules():
-            if isinstance(module, BLOCK_MODULES):
-                module.impl = impl
+            if isinstance(module, ProductLayer):
+                module.product = backend.product
+            elif isinstance(module, BlockEmbedding):
+                module.impl = backend.impl
 
     def _apply(self, fn, recurse=True):
         """Moving or casting the model (model.to(...) and friends) chooses its backend again."""

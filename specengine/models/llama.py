@@ -16,7 +16,7 @@ from torch import nn
 from .. import ops
 from ..layers.blocks import BlockEmbedding, BlockLinear, HoldsBlockMatrix, TiedBlockHead
 from ..layers.kv_cache import StaticKVCache
-from ..layers.linear import GEMM_ROWS, Linear, RowParallelLinear
+from ..layers.linear import Linear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.parallel import TensorParallel, TensorParallelError
 from ..layers.rotary import rope_cos_sin, rope_inv_freq
@@ -24,6 +24,7 @@ from ..layers.tracked import KeepsParameterViews
 from ..ops.activation import silu_mul
 from ..ops.attention import attention_mask, cached_attention
 from ..ops.decoder_layer import DecoderLayerWeights, decoder_layer
+from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
 from .backend import Backend, RunsOnBackend
 from .config import ModelConfig
 
@@ -309,8 +310,8 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
         # tokens of this call; stale entries of rolled-back drafts lie beyond and stay hidden.
         mask = attention_mask(run.positions, kv_len, c.sliding_window) if backend.impl == "reference" else None
         step = StepInputs(run.positions, cos, sin, kv_len, backend.impl, mask)
-        # A prefill-sized call runs op by op, its products GEMMs (see layers.linear).
-        whole_layers = self.whole_layer_weights() if backend.whole_layers and T < GEMM_ROWS else None
+        # A prefill-sized call runs op by op, its products GEMMs (see ops.product).
+        whole_layers = self.whole_layer_weights() if backend.whole_layers and T < GEMM_MIN_TOKENS_PER_ROW else None
         # The embedding is made here, not kept from an earlier failed try (models.backend's fallback).
         x, delta = (self.embed(run.tokens), None) if run.layers_done == 0 else (run.x, run.delta)
         end = len(self.model.layers) if layers is None else min(len(self.model.layers), run.layers_done + layers)

@@ -1,13 +1,13 @@
 """The "cpp" implementation of ops.blocks: specengine._C's block-format ops (csrc/blocks.cpp), CPU.
 
-  linear_blocks_cpp   fewer than GEMM_ROWS tokens per row (decoding, verification): the few-row C++
-                      op, which reads each weight block once for all rows; from GEMM_ROWS tokens
-                      per row on (a prefill), gemm_blocks_cpp
+  few_row_blocks_cpp  decoding and verification (few tokens per row): reads each weight block once
+                      for all rows
   gemm_blocks_cpp     prompt-sized products (csrc/gemm_blocks.cpp): the matrix's rows dequantized
                       32 at a time into a float32 panel, and float32 FMA tiles over it; each
                       output's bits depend only on its row of x and its weight row (batch
-                      invariance). Also layers.linear's product of bfloat16 weights on CPUs
-                      without AMX (a dense tensor is a matrix of one part).
+                      invariance). A dense tensor is a matrix of one part.
+  linear_blocks_cpp   ops.blocks.linear_blocks's "cpp": the models' C++ product (ops.product.product_cpp),
+                      which chooses between the two by tokens per row
   embedding_rows_cpp  rows dequantized by the C++ op
 
 No argument checks here: ops.blocks' entry points check (the model's calls skip them; the loader
@@ -18,8 +18,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-
-from .linear import GEMM_ROWS  # decided on tokens per row (x [..., T, K]); a 2-d x is R one-token rows
 
 # id(matrix) -> (weakref to it, its descriptor, out_features), for BlockMatrix objects (frozen:
 # their parts' tensors are theirs for life). The weak reference both drops the entry when the
@@ -62,9 +60,16 @@ def matrix_descriptor(matrix) -> tuple[int, ...]:
 
 
 def linear_blocks_cpp(x: torch.Tensor, matrix, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] float32 @ dequantized(matrix)^T + bias -> float32 [..., N] (see ops.blocks.linear_blocks)."""
-    if x.dim() >= 3 and x.shape[-2] >= GEMM_ROWS:
-        return gemm_blocks_cpp(x, matrix, bias)
+    """x [..., K] float32 @ dequantized(matrix)^T + bias -> float32 [..., N] (see ops.blocks.linear_blocks),
+    by the models' C++ product (ops.product.product_cpp)."""
+    from .product import product_cpp
+
+    return product_cpp(x, matrix, bias)
+
+
+def few_row_blocks_cpp(x: torch.Tensor, matrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] float32 @ dequantized(matrix)^T + bias -> float32 [..., N] by the few-row op, at
+    any row count; matrix a BlockMatrix or a contiguous float32/float16/bfloat16 tensor [N, K]."""
     return _call(x, matrix, bias, gemm=False)
 
 

@@ -10,6 +10,8 @@ bfloat16 to float32 is exact, so the products equal float32 ones up to summation
                terms, float32-accurate, for prompt-sized products (CPUs with AMX only)
   "reference"  F.linear on the weight upcast to float32 (the oracle)
   "auto"       cpp
+
+The models' products choose between the C++ ops by tokens per row (ops.product).
 """
 from __future__ import annotations
 
@@ -17,17 +19,6 @@ import torch
 import torch.nn.functional as F
 
 IMPLEMENTATIONS = ("auto", "cpp", "amx", "reference")
-
-# From this many tokens per row (a prefill) products are GEMMs (layers.linear's bfloat16 matrices,
-# ops.blocks_cpp's stored ones): ops.blocks_cpp's gemm_blocks, or ops.linear's AMX op where the
-# CPU has AMX (float32-accurate; SmolLM2's prefill of 64-256 tokens took 0.47-0.58x the time of
-# a widened-weight sgemm's on that CPU, 0.39x at 32: bench/results/prefill-cpu-2026-12-01.json).
-# On the 2-core AVX-512 (Zen 5) VM, SmolLM2's Q4_1 gate/up (576 -> 3072) and down (1536 -> 576)
-# products took, few-row op against gemm_blocks: 135/187 and 72/106 us at 8 rows, 306/305 and
-# 211/168 at 24, 392/372 and 271/204 at 32, 745/642 and 520/343 at 64.
-# The choice is made on tokens per row, not rows in all, so that a decoding row takes the same
-# path in a batch of any size (verifications have at most max_gamma + 1 tokens per row).
-GEMM_ROWS = 32
 
 
 def _check(cond: bool, message: str):

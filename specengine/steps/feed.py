@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.kv_cache import StaticKVCache
-from ..layers.linear import GEMM_ROWS
+from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
 from ..models.llama import PartialForward
 from ..models.loader import Model
 
@@ -81,10 +81,11 @@ def start_prefill(model: Model, cache: StaticKVCache, rows: list[int], done: lis
 
     A row's entries are those of its whole prompt prefilled in one call (steps of a joining
     request are not its results' business): a call's products take the GEMM path by its tokens
-    per row (layers.linear), and either path computes each row on its own, as attention computes
-    each query on its own over the keys before it. So a chunk of a prompt of GEMM_ROWS tokens or
-    more is fed in a call of at least GEMM_ROWS tokens per row (padded), with other such chunks of
-    consecutive rows and similar lengths; a shorter prompt whole, with other short ones alike.
+    per row (ops.product), and either path computes each row on its own, as attention computes
+    each query on its own over the keys before it. So a chunk of a prompt of
+    GEMM_MIN_TOKENS_PER_ROW tokens or more is fed in a call of at least that many tokens per row
+    (padded), with other such chunks of consecutive rows and similar lengths; a shorter prompt
+    whole, with other short ones alike.
     Each row's length is set from `done`: a padded bucket of fixed-shape steps may have moved a
     staged row's length (see layers.kv_cache)."""
     groups: list[list[int]] = []
@@ -94,7 +95,8 @@ def start_prefill(model: Model, cache: StaticKVCache, rows: list[int], done: lis
         if groups:
             last = groups[-1]
             grown = max(longest, size)
-            if (rows[i] == rows[last[-1]] + 1 and (n >= GEMM_ROWS) == (whole[last[0]] >= GEMM_ROWS)
+            if (rows[i] == rows[last[-1]] + 1
+                    and (n >= GEMM_MIN_TOKENS_PER_ROW) == (whole[last[0]] >= GEMM_MIN_TOKENS_PER_ROW)
                     and (len(last) + 1) * grown <= real + size + max((real + size) // 4, 64)):
                 last.append(i)
                 longest, real = grown, real + size
@@ -104,7 +106,8 @@ def start_prefill(model: Model, cache: StaticKVCache, rows: list[int], done: lis
     calls = []
     for group in groups:
         lengths = [len(chunks[i]) for i in group]
-        width = max(max(lengths), GEMM_ROWS if whole[group[0]] >= GEMM_ROWS else 0)
+        gemm = whole[group[0]] >= GEMM_MIN_TOKENS_PER_ROW
+        width = max(max(lengths), GEMM_MIN_TOKENS_PER_ROW if gemm else 0)
         # Right-padded: the padding writes entries past the row's length, masked until real
         # tokens overwrite them.
         tokens = to_device([chunks[i] + [0] * (width - len(chunks[i])) for i in group], torch.int64, model.device)
