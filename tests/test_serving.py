@@ -7,12 +7,11 @@ import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
-from specengine.drafters.ngram import NgramDrafter
 from specengine.engine.text import settled_length
 from specengine.engine.gamma import CostModel
 from specengine.layers.kv_cache import StaticKVCache
 
-from engine_util import stop_across_tokens, tiny_model
+from engine_util import make_engine, stop_across_tokens
 from conftest import cpu_isa_limit
 
 V = 32
@@ -20,15 +19,8 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [3, 1, 4, 1, 5, 9, 2, 6]]
 
 
 @pytest.fixture(scope="module")
-def models():
-    return tiny_model(V, seed=0, logit_scale=3.0), tiny_model(V, seed=5, num_layers=1, logit_scale=3.0)
-
-
-def make_engine(models, drafter="model", **kwargs):
-    target, draft = models
-    chosen = {"model": lambda: ModelDrafter(draft, V, V), "ngram": lambda: NgramDrafter(1, 2),
-              "none": lambda: None}[drafter]()
-    return Engine(target, drafter=chosen, gamma=kwargs.pop("gamma", 3), **kwargs)
+def models(tiny_pair):
+    return tiny_pair
 
 
 def params(i: int, **kwargs) -> SamplingParams:
