@@ -124,12 +124,12 @@ SCRIPTED_GAMMAS = [3, 0, 4, 1, 0, 0, 2, 4, 1]  # each round's gamma, in turn: up
 def scripted_gamma_engine(target, draft, verify_impl: str = "cpp") -> tuple[Engine, list[int]]:
     """An engine with gamma="auto" whose controller's choice is forced through SCRIPTED_GAMMAS (the
     policy's own bookkeeping kept: its estimates, probes and ramp are what a real choice leaves), and
-    the gammas its rounds ran at. Batches of 400 rows: requests join as others leave, each at its
+    the gammas its rounds ran at. Batches of 200 rows: requests join as others leave, each at its
     own place in the script."""
     from specengine.engine.gamma import CostModel
 
     engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma="auto", verify_impl=verify_impl,
-                    costs=CostModel(0.05, tuple(1.0 + 0.02 * k for k in range(9))), max_batch_size=400)
+                    costs=CostModel(0.05, tuple(1.0 + 0.02 * k for k in range(9))), max_batch_size=200)
     controller = engine.gamma_controller
     choose, ran = controller.choose, []
 
