@@ -33,6 +33,15 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
+def tiny_pair():
+    """engine_util.tiny_pair(): the engine tests' in-memory (target, draft) of 32 tokens. Shared by
+    the session: a test must not change the models (a backend, a device), only build engines on them."""
+    from engine_util import tiny_pair
+
+    return tiny_pair()
+
+
+@pytest.fixture(scope="session")
 def long_context_target(tmp_path_factory, tokenizer):
     """A tiny target with a context long enough for streams to outlast a shutdown's grace period."""
     folder = tmp_path_factory.mktemp("long") / "target"

@@ -24,6 +24,37 @@ def tiny_model(vocab_size=32, seed=0, num_layers=2, hidden_size=32, eos=None, ma
     return model.eval().requires_grad_(False)
 
 
+PAIR_VOCAB = 32
+
+
+def tiny_pair(vocab_size: int = PAIR_VOCAB, max_positions: int = 1024):
+    """The engine tests' (target, draft): a two-layer target and a one-layer draft of sharp logits
+    (seeds 0 and 5) that agree often enough for drafts to be accepted and rejected. conftest's
+    `tiny_pair` fixture holds one for the session."""
+    return (tiny_model(vocab_size, seed=0, logit_scale=3.0, max_positions=max_positions),
+            tiny_model(vocab_size, seed=5, num_layers=1, logit_scale=3.0, max_positions=max_positions))
+
+
+DRAFTERS = ("model", "ngram", "suffix", "none")
+
+
+def make_drafter(models, drafter: str = "model"):
+    """A new drafter of this kind for the pair: the draft model, n-gram lookup (1 to 2 tokens), the
+    suffix drafter, or None (target-only)."""
+    from specengine.drafters.model import ModelDrafter
+    from specengine.drafters.ngram import NgramDrafter
+    from specengine.drafters.suffix import SuffixDrafter
+
+    target, draft = models
+    return {"model": lambda: ModelDrafter(draft, target.config.vocab_size, draft.config.vocab_size),
+            "ngram": lambda: NgramDrafter(1, 2), "suffix": SuffixDrafter, "none": lambda: None}[drafter]()
+
+
+def make_engine(models, drafter: str = "model", gamma=3, **kwargs) -> Engine:
+    """An Engine of the pair's target with a new drafter of this kind (make_drafter), gamma 3."""
+    return Engine(models[0], drafter=make_drafter(models, drafter), gamma=gamma, **kwargs)
+
+
 def greedy_fixtures(vocab_size: int, prompts: list[list[int]], greedy):
     """A test module's (target, baseline) fixtures, to bind under those names: a tiny target of
     vocab_size with sharp logits, and its target-only outputs of the prompts under greedy params,

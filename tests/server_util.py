@@ -67,3 +67,10 @@ def held_steps(engine: Engine):
         yield release
     finally:
         release()
+
+
+def free_port() -> int:
+    """A loopback port free now (for a server in another process: it binds the port itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

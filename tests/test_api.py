@@ -233,16 +233,15 @@ def test_cli_reports_bad_input_cleanly(tmp_path, capsys):
 
 def test_cli_serve_answers_an_openai_client_and_stops_cleanly(text_pair, tmp_path, capsys):
     import signal
-    import socket
     import time
 
     import httpx
     import openai
 
+    from server_util import free_port
+
     target, draft = text_pair
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "specengine", "serve", "--target", str(target), "--draft",
                                str(draft), "--gamma", "2", "--port", str(port), "--log-level", "warning"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

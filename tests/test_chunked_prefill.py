@@ -3,27 +3,27 @@ step, interleaved with the running rows' rounds, and every token is the one an u
 gives: cache entries bit for bit at chunk edges, greedy and seeded outputs on every path (the
 fixed-shape steps and device rounds too, whose padding rows may be staged rows), requests aborted
 mid-prefill, and T5's encoder cut by blocks."""
+import functools
+
 import pytest
 import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
-from specengine.drafters.ngram import NgramDrafter
 from specengine.engine.batch import RunningBatch
 from specengine.engine.config import EngineConfig
 from specengine.engine.prefill_budget import PrefillBudget, PrefillShare
 from specengine.engine.request import DecodeStats, Request
 from specengine.engine.scheduler import Scheduler
 
-from engine_util import tiny_model
+from engine_util import make_engine
 
 V = 32
 
 
 @pytest.fixture(scope="module")
-def models():
-    return (tiny_model(V, seed=0, logit_scale=3.0, max_positions=1024),
-            tiny_model(V, seed=5, num_layers=1, logit_scale=3.0, max_positions=1024))
+def models(tiny_pair):
+    return tiny_pair
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +81,7 @@ def test_cache_entries_are_those_of_an_unchunked_prefill_at_every_chunk_edge(mod
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (len(p), budget, layers)
 
 
-def make_engine(models, drafter="model", **kwargs):
-    target, draft = models
-    chosen = {"model": lambda: ModelDrafter(draft, V, V), "ngram": lambda: NgramDrafter(1, 2),
-              "none": lambda: None}[drafter]()
-    return Engine(target, drafter=chosen, gamma=kwargs.pop("gamma", 3), prefix_cache_bytes=0, **kwargs)
+make_engine = functools.partial(make_engine, prefix_cache_bytes=0)  # chunking alone (the prefix cache's own file mixes both)
 
 
 REQUESTS = [(prompt(n, seed=n), SamplingParams(max_new_tokens=m, temperature=t, seed=100 + n))

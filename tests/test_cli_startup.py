@@ -14,11 +14,7 @@ import pytest
 
 from specengine.cli import main as cli_main
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server_util import free_port
 
 
 def test_a_port_out_of_range_is_refused_before_loading(text_pair):
@@ -94,7 +90,9 @@ def test_serve_says_what_it_does_and_stops_within_the_grace_period(long_context_
                 if not line.startswith("data: "):
                     continue
                 events.append((time.monotonic(), line[6:]))
-                if len(events) == 3:
+                if len(events) == 6:
+                    at = [a for a, _ in events[1:]]
+                    pace = max(b - a for a, b in zip(at, at[1:]))  # this machine's time between chunks
                     stopped = time.monotonic()
                     server.send_signal(sig)
         assert server.wait(timeout=60) == 0
@@ -107,8 +105,14 @@ def test_serve_says_what_it_does_and_stops_within_the_grace_period(long_context_
     assert done[1] == "[DONE]"
     reasons = [json.loads(data)["choices"][0]["finish_reason"] for _, data in chunks]
     assert reasons[-1] == "abort" and set(reasons[:-1]) == {None}
-    assert any(stopped + 0.2 < at < stopped + grace - 0.2 for at, _ in chunks)  # it ran on through the grace
-    assert grace - 0.1 < chunks[-1][0] - stopped < grace + 5 and exited - stopped < grace + 30
+    # It ran on through the grace period: as many chunks after the signal as this machine's pace
+    # gives in it (one may have been in flight), and was ended when it ran out, not before, and
+    # within a few of its own gaps after.
+    ran_on = [at for at, _ in chunks[:-1] if at > stopped]
+    assert len(ran_on) >= min(3, int(grace / pace) - 1), (len(ran_on), pace)
+    slack = max(0.5, 5 * max([pace] + [b - a for a, b in zip(ran_on, ran_on[1:])]))  # (0.5: a busy scheduler)
+    assert grace <= chunks[-1][0] - stopped < grace + slack, (chunks[-1][0] - stopped, slack)
+    assert exited - stopped < grace + 30  # it exits (Python's own teardown included), rather than hang
     assert "Traceback" not in rest and rest.rstrip().endswith("specengine: stopped")
 
 

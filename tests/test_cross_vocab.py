@@ -208,7 +208,7 @@ def test_encoder_decoder_targets_are_refused(target):
 def test_sampling_matches_exact_target_distribution(case, impl):
     """test_engine_sampling's chi-square check, with a draft of 6 tokens in another order sharing 3
     of the target's 5: the other two reach the output only through the residual."""
-    from test_engine_sampling import CASES, PROMPT, V, exact_distribution, sample_counts
+    from stats_util import CASES, PROMPT, V, exact_distribution, sample_counts
 
     target = tiny_model(V, seed=0, hidden_size=16, logit_scale=4.0)
     draft = tiny_model(6, seed=3, num_layers=1, hidden_size=16, logit_scale=4.0)
@@ -226,7 +226,7 @@ def test_sampling_matches_exact_target_distribution(case, impl):
 def test_the_distribution_test_sees_a_q_other_than_the_drafts(monkeypatch):
     """A drafter that reports q with its shared tokens' target ids in the wrong order (the drafts
     themselves sampled right) is not exact, and the same check sees it."""
-    from test_engine_sampling import CASES, V, exact_distribution, sample_counts
+    from stats_util import CASES, V, exact_distribution, sample_counts
 
     target = tiny_model(V, seed=0, hidden_size=16, logit_scale=4.0)
     draft = tiny_model(6, seed=3, num_layers=1, hidden_size=16, logit_scale=4.0)

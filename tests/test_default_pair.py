@@ -127,7 +127,7 @@ def test_verify_emits_the_targets_distribution_on_the_real_vocabulary(pair, warp
     Philox seeds; the first emitted token must be distributed as warped p, and a draft accepted
     with probability sum(min(p, q)) (the paper's alpha for one position)."""
     from specengine.models import load_model
-    from specengine.sampling.warp import warp_probs
+    from stats_util import reference_warped_probs
 
     target, draft = (load_model(d) for d in pair)
     engine = Engine.from_pretrained(pair[0])
@@ -141,8 +141,8 @@ def test_verify_emits_the_targets_distribution_on_the_real_vocabulary(pair, warp
     B, chunks = 2000, 10
     t = torch.full((B,), temperature)
 
-    def warped(row: torch.Tensor) -> torch.Tensor:
-        return warp_probs(row[None], t[:1], torch.zeros(1, dtype=torch.long), torch.full((1,), top_p), torch.zeros(1))[0]
+    def warped(row: torch.Tensor) -> torch.Tensor:  # float64, from the definitions (not the engine's warps)
+        return reference_warped_probs(row[None], SamplingParams(temperature=temperature, top_p=top_p))[0]
 
     # The last position where the warped p and q overlap partly: both the acceptance and the
     # resampling of verify are exercised there (where the draft's nucleus misses the target's,

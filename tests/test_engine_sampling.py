@@ -1,21 +1,15 @@
-"""Speculative sampling reproduces the target's exact distribution over short continuations."""
-import itertools
-
+"""Speculative sampling reproduces the target's exact distribution over short continuations (stats_util:
+the target's probabilities warped in float64 from the definitions, not by the engine's warps)."""
 import pytest
 import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.drafters.ngram import NgramDrafter
-from specengine.sampling.warp import warp_probs
 
 from engine_util import tiny_model
-from stats_util import chi_square_pvalue
+from stats_util import CASES, PROMPT, V, chi_square_pvalue, exact_distribution, sample_counts
 from verify_cases import VerifyCase, naive_verify
-
-V, NEW = 5, 3
-PROMPT = [1, 2, 1]
-
 
 @pytest.fixture(scope="module")
 def target():
@@ -25,37 +19,6 @@ def target():
 @pytest.fixture(scope="module")
 def draft():
     return tiny_model(V, seed=3, num_layers=1, hidden_size=16, logit_scale=4.0)
-
-
-def exact_distribution(model, params: SamplingParams) -> torch.Tensor:
-    """P(x_1..x_NEW | PROMPT) under the warped target, for all V**NEW continuations (row-major)."""
-    conts = torch.tensor(list(itertools.product(range(V), repeat=NEW)))
-    seqs = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], 1)
-    cache = model.new_cache(len(seqs), seqs.shape[1])
-    with torch.no_grad():
-        logits = model.logits(model(seqs, torch.zeros(len(seqs), dtype=torch.int64), cache))
-    logits = logits[:, len(PROMPT) - 1: -1].reshape(-1, V)  # the logits that predict x_1..x_NEW
-    n = logits.shape[0]
-    col = lambda v, dt=torch.float32: torch.full((n,), v, dtype=dt)  # noqa: E731
-    probs = warp_probs(logits, col(params.temperature), col(params.top_k, torch.int64), col(params.top_p),
-                       col(params.min_p)).view(len(conts), NEW, V)
-    return probs.gather(-1, conts[..., None]).squeeze(-1).prod(-1)
-
-
-def sample_counts(engine, params: SamplingParams, N: int) -> torch.Tensor:
-    requests = [SamplingParams(max_new_tokens=NEW, temperature=params.temperature, top_k=params.top_k,
-                               top_p=params.top_p, min_p=params.min_p, seed=s) for s in range(N)]
-    results = engine.generate([PROMPT] * N, requests)
-    index = torch.tensor([sum(t * V ** (NEW - 1 - i) for i, t in enumerate(r.token_ids)) for r in results])
-    return torch.bincount(index, minlength=V ** NEW)
-
-
-CASES = {
-    "T=1": SamplingParams(temperature=1.0),
-    "T=0.7,top_k=3": SamplingParams(temperature=0.7, top_k=3),
-    "top_p=0.8": SamplingParams(top_p=0.8),
-    "min_p=0.2": SamplingParams(min_p=0.2),
-}
 
 
 @pytest.mark.slow
@@ -151,5 +114,45 @@ def test_speculative_sampling_on_a_quantized_target_matches_its_exact_distributi
     params = CASES["T=0.7,top_k=3"]
     engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3)
     counts = sample_counts(engine, params, 12_000)
+    assert chi_square_pvalue(counts, exact_distribution(target, params)) > 1e-3
+    assert 0.05 < engine.last_run_stats.acceptance_rate < 0.95
+
+
+SCRIPTED_GAMMAS = [3, 0, 4, 1, 0, 0, 2, 4, 1]  # each round's gamma, in turn: up, down, and runs at 0
+
+
+def scripted_gamma_engine(target, draft, verify_impl: str = "cpp") -> tuple[Engine, list[int]]:
+    """An engine with gamma="auto" whose controller's choice is forced through SCRIPTED_GAMMAS (the
+    policy's own bookkeeping kept: its estimates, probes and ramp are what a real choice leaves), and
+    the gammas its rounds ran at. Batches of 200 rows: requests join as others leave, each at its
+    own place in the script."""
+    from specengine.engine.gamma import CostModel
+
+    engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma="auto", verify_impl=verify_impl,
+                    costs=CostModel(0.05, tuple(1.0 + 0.02 * k for k in range(9))), max_batch_size=200)
+    controller = engine.gamma_controller
+    choose, ran = controller.choose, []
+
+    def scripted(estimates):
+        choose(estimates)  # its bookkeeping, its choice ignored
+        gamma = SCRIPTED_GAMMAS[len(ran) % len(SCRIPTED_GAMMAS)]
+        for e in estimates:
+            e.last_gamma = gamma
+        ran.append(gamma)
+        return gamma
+
+    controller.choose = scripted
+    return engine, ran
+
+
+@pytest.mark.slow
+def test_auto_gamma_keeps_the_exact_distribution_whatever_gamma_each_round_takes(target, draft):
+    """gamma="auto" changes gamma from round to round, with rounds at 0 between (the draft model
+    then catches up on what it missed): with the choice scripted up and down and through runs of
+    0, the continuations are still distributed as the target's."""
+    params = CASES["T=0.7,top_k=3"]
+    engine, ran = scripted_gamma_engine(target, draft)
+    counts = sample_counts(engine, params, 4_000)
+    assert set(ran) == set(SCRIPTED_GAMMAS) and len(ran) > 3 * len(SCRIPTED_GAMMAS)
     assert chi_square_pvalue(counts, exact_distribution(target, params)) > 1e-3
     assert 0.05 < engine.last_run_stats.acceptance_rate < 0.95

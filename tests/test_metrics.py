@@ -14,11 +14,9 @@ from specengine import Engine
 from specengine.engine.request import DecodeStats, RequestOutput
 from specengine.server.metrics import ServerMetrics
 
-from server_util import running_server
+from server_util import CHATML, running_server
 
 MODEL = "tiny-pair"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PROMPTS = ["def add(a, b):", "import os\n", "x = [1, 2,", "class Point:", "for i in range(", "# a comment\n"]
 
 
@@ -41,6 +39,15 @@ class Scrape:
 
     def type_of(self, name: str) -> str:
         return self.types["specengine:" + name]
+
+    def since(self, before: "Scrape") -> "Scrape":
+        """What was counted between `before` and this scrape: each sample less its value then (gauges
+        too, so compare those on the scrape itself). The module's server is shared by its tests, in
+        whatever order they run, so a test compares counters as deltas, never against 0."""
+        delta = Scrape("")
+        delta.types = self.types
+        delta.samples = {key: value - before.samples.get(key, 0.0) for key, value in self.samples.items()}
+        return delta
 
 
 def stats(prompt_tokens=0, generated=0, rounds=0, drafted=(), histogram=(), gamma=3) -> DecodeStats:
@@ -114,7 +121,7 @@ def scrape(base_url: str) -> Scrape:
 def test_metrics_agree_with_the_usage_the_responses_reported(server):
     base_url, async_engine = server
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    assert scrape(base_url)("prompt_tokens_total") == 0
+    before = scrape(base_url)
     usages, reasons = [], []  # one usage per response; one finish reason per engine request
 
     # Not streamed: two prompts in one request, greedy.
@@ -165,7 +172,8 @@ def test_metrics_agree_with_the_usage_the_responses_reported(server):
     usages.append(response.usage)
     reasons.append(response.choices[0].finish_reason)
 
-    got = scrape(base_url)
+    now = scrape(base_url)
+    got = now.since(before)
     requests = len(reasons)
     assert requests == 11 and all(u is not None for u in usages)
     assert got("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
@@ -193,7 +201,7 @@ def test_metrics_agree_with_the_usage_the_responses_reported(server):
     assert generated / 4 <= rounds <= generated
     assert got("spec_decode_num_drafts_total") == drafted_per_pos["0"] <= rounds
     assert got("spec_decode_gamma_count") == rounds and got("spec_decode_gamma_sum") == drafted
-    assert got("num_requests_running") == 0 and got("num_requests_waiting") == 0
+    assert now("num_requests_running") == 0 and now("num_requests_waiting") == 0
     assert async_engine.listeners  # the server's metrics listen to its engine
 
 
@@ -206,7 +214,8 @@ def test_a_client_that_goes_away_is_counted_as_an_abort(server):
     next(iter(stream))
     stream.close()
     deadline = time.monotonic() + 20
-    while (got := scrape(base_url))("request_success_total", finished_reason="abort") == 0:
+    aborts = before("request_success_total", finished_reason="abort")
+    while (got := scrape(base_url))("request_success_total", finished_reason="abort") == aborts:
         assert time.monotonic() < deadline, "the abort was not counted"
         time.sleep(0.05)
     assert got("e2e_request_latency_seconds_count") == before("e2e_request_latency_seconds_count") + 1

@@ -14,8 +14,7 @@ from specengine.drafters.model import ModelDrafter
 from specengine.models import CheckpointError, ConfigError, LlamaForCausalLM, load_model
 
 from engine_util import tiny_model
-from stats_util import chi_square_pvalue
-from test_engine_sampling import V, exact_distribution, sample_counts
+from stats_util import V, chi_square_pvalue, exact_distribution, sample_counts
 
 IDS = [4, 0, 2]  # any order: the head's rows score these ids
 

@@ -6,19 +6,17 @@ import pytest
 import torch
 
 from specengine import Engine, SamplingParams
-from specengine.drafters.model import ModelDrafter
 from specengine.engine.config import EngineConfig
 from specengine.engine.prefix_cache import BLOCK, PrefixCache, block_keys
 
-from engine_util import tiny_model
+from engine_util import make_engine
 
 V = 32
 
 
 @pytest.fixture(scope="module")
-def models():
-    return (tiny_model(V, seed=0, logit_scale=3.0, max_positions=1024),
-            tiny_model(V, seed=5, num_layers=1, logit_scale=3.0, max_positions=1024))
+def models(tiny_pair):
+    return tiny_pair
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -27,11 +25,6 @@ def tokens(n: int, seed: int) -> list[int]:
 
 SYSTEM = tokens(200, seed=1)       # a shared preamble: three full blocks and a part
 FEW_SHOT = SYSTEM + tokens(90, seed=2)
-
-
-def make_engine(models, **kwargs):
-    target, draft = models
-    return Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3, **kwargs)
 
 
 # Prompts that share prefixes of every kind: whole blocks, a block and a part, one inside another,
@@ -170,3 +163,45 @@ def test_bad_budgets_are_named():
     for bad in (-1, 1.5, "big", True):
         with pytest.raises(ValueError, match="prefix_cache_bytes"):
             EngineConfig(prefix_cache_bytes=bad)
+
+
+def cross_vocab_drafter(models):
+    """The pair's draft model read through a map of another vocabulary: 24 of the target's 32 ids
+    shared in another order, the other 8 spelled in two draft tokens each (one of the draft's own)."""
+    from specengine.drafters.cross_vocab import CrossVocabDrafter
+    from specengine.drafters.vocab_map import VocabMap
+
+    shared_t = list(range(24))
+    shared_d = [(7 * i + 3) % 24 for i in shared_t]
+    forms = {t: (24 + t % 8, (5 * t) % 24) for t in range(24, V)}
+    return CrossVocabDrafter(models[1], VocabMap(V, V, shared_t, shared_d, forms.__getitem__))
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "cross-vocab"])
+def test_every_drafter_gives_the_same_outputs_with_the_cache_and_chunks_as_without(models, drafter):
+    """Target-only, n-gram, suffix and cross-vocabulary drafting (the draft model's tests are above):
+    with the prefix cache and a prompt prefilled 64 tokens a step, requests one at a time (later
+    ones finding earlier ones' blocks) and then joining a batch of three rows as others leave give
+    the tokens of an engine with neither."""
+    def engine(**kwargs):
+        if drafter == "cross-vocab":
+            return Engine(models[0], drafter=cross_vocab_drafter(models), gamma=3, max_batch_size=3, **kwargs)
+        return make_engine(models, drafter, max_batch_size=3, **kwargs)
+
+    prompts, params = [PROMPTS[i] for i in (0, 1, 2, 4, 7)], [PARAMS[i] for i in (0, 1, 2, 4, 7)]
+
+    def run(engine):
+        """Each request alone, then all joining a batch: the suffix drafter drafts from earlier
+        outputs, so both engines see the same requests in the same order."""
+        alone = [engine.generate([p], s)[0] for p, s in zip(prompts, params)]
+        return alone, engine.generate(prompts, params)
+
+    want = [[r.token_ids for r in rs] for rs in run(engine(prefix_cache_bytes=0, prefill_chunk_tokens=None))]
+    cached = engine(prefill_chunk_tokens=64)
+    alone, batched = run(cached)
+    assert [r.token_ids for r in alone] == want[0]
+    assert [r.token_ids for r in batched] == want[1]
+    assert sum(r.stats.cached_prompt_tokens for r in alone) >= 4 * BLOCK  # the cache was used
+    assert all(r.stats.cached_prompt_tokens > 0 for r, p in zip(batched, prompts) if len(p) - 1 >= BLOCK)
+    if drafter != "none":
+        assert cached.last_run_stats.drafted > 0  # drafts were made, and verified

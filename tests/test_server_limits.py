@@ -24,7 +24,7 @@ from specengine import Engine
 from specengine.cli import API_KEY_VARIABLE, _server_limits, build_parser
 from specengine.server.limits import REFUSAL_REASONS, ServerLimits
 
-from server_util import held_steps, running_server, with_chat_template
+from server_util import free_port, held_steps, running_server, with_chat_template
 
 MODEL = "tiny-pair"
 KEY = "sk-test-5f0c9a2e7b41"
@@ -400,12 +400,6 @@ def test_past_max_waiting_a_request_gets_503_with_retry_after_and_those_queued_a
 
 
 # ---- specengine serve -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_limits(argv: list[str]) -> ServerLimits:

@@ -10,7 +10,7 @@ from specengine.engine.outputs import Outputs
 from specengine.engine.request import DecodeStats, Request
 from specengine.engine.rounds import RoundResult
 
-from engine_util import tiny_model
+from engine_util import tiny_pair
 
 V = 40
 
@@ -59,10 +59,6 @@ def test_combine_sums_positions_and_reports_them():
     assert DecodeStats(gamma=0).acceptance_by_position == []
 
 
-def models():
-    return tiny_model(V, seed=0, logit_scale=3.0), tiny_model(V, seed=5, num_layers=1, logit_scale=3.0)
-
-
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27, 1, 3, 9, 27, 1, 3, 9], [4]]
 PARAMS = [SamplingParams(max_new_tokens=n, temperature=t, seed=s)
           for n, t, s in [(30, 0.0, 1), (41, 1.0, 2), (17, 0.8, 3), (26, 0.0, 4)]]
@@ -83,7 +79,7 @@ def assert_consistent(s: DecodeStats, gamma: int):
 def test_positions_agree_with_the_other_counters_when_decoding(rounds_per_read):
     """Host rounds and blocks from device state (weak and perfect drafts), and the n-gram drafter,
     whose drafts vary in length round to round."""
-    target, draft = models()
+    target, draft = tiny_pair(V)
     for drafter, want_all in ((ModelDrafter(draft, V, V), False), (ModelDrafter(target, V, V), True)):
         engine = Engine(target, drafter=drafter, gamma=3, cuda_graphs=True, max_batch_size=4,
                         rounds_per_read=rounds_per_read)

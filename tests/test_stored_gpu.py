@@ -29,7 +29,7 @@ from specengine.ops.product import triton_backend_product  # noqa: E402
 from specengine.steps.feed import feed  # noqa: E402
 
 from engine_util import assert_kernels_ran, device_head_dims, tiny_model  # noqa: E402
-from test_blocks_triton import count_launches  # noqa: E402
+from kernel_util import count_launches  # noqa: E402
 
 V = 32
 PROMPTS = [[1, 2, 3, 4, 5], [7, 7], [3, 9, 27, 1]]

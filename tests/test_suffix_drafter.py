@@ -338,7 +338,7 @@ def test_the_global_budget_is_a_cli_option(text_pair, capsys):
 
 def test_serve_passes_the_global_budget_and_refuses_it_without_the_suffix_drafter(text_pair, capsys, monkeypatch):
     from specengine.cli import main
-    from test_cli_startup import free_port
+    from server_util import free_port
 
     loads = []
 
@@ -359,8 +359,7 @@ def test_serve_passes_the_global_budget_and_refuses_it_without_the_suffix_drafte
 def test_sampling_matches_exact_target_distribution():
     """The exact distribution over 3-token continuations (test_engine_sampling's check), with
     requests run 500 at a time so that later ones draft from earlier ones' outputs."""
-    from test_engine_sampling import CASES, NEW, PROMPT, V as SV, exact_distribution
-    from stats_util import chi_square_pvalue
+    from stats_util import CASES, NEW, PROMPT, V as SV, chi_square_pvalue, continuation_counts, exact_distribution
 
     target = tiny_model(SV, seed=0, hidden_size=16, logit_scale=4.0)
     for case in ("T=1", "T=0.7,top_k=3"):
@@ -372,9 +371,7 @@ def test_sampling_matches_exact_target_distribution():
             requests = [SamplingParams(max_new_tokens=NEW, temperature=params.temperature, top_k=params.top_k,
                                        top_p=params.top_p, min_p=params.min_p, seed=chunk * 500 + s)
                         for s in range(500)]
-            results = engine.generate([PROMPT] * 500, requests)
-            index = torch.tensor([sum(t * SV ** (NEW - 1 - i) for i, t in enumerate(r.token_ids)) for r in results])
-            counts += torch.bincount(index, minlength=SV ** NEW)
+            counts += continuation_counts(engine.generate([PROMPT] * 500, requests))
             drafted += engine.last_run_stats.drafted
             accepted += engine.last_run_stats.accepted
         assert chi_square_pvalue(counts, exact_distribution(target, params)) > 1e-3

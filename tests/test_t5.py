@@ -17,11 +17,10 @@ from specengine.models.config import ConfigError
 from specengine.models.loader import empty_model, load_config
 from specengine.models.t5 import relative_position_bucket
 from specengine.models.t5_config import T5Config
-from specengine.sampling.warp import warp_probs
 from specengine.devtools.tiny import make_t5_config, save_random_t5_checkpoint
 from specengine.tokenizer import TokenizerMismatchError
 from conftest import forbid_cpp_products
-from stats_util import chi_square_pvalue
+from stats_util import chi_square_pvalue, reference_warped_probs
 
 # Original T5 (ReLU, tied head scaled by d_model**-0.5) and v1.1 / Flan-T5 (gated GELU, own head),
 # with unequal stacks and few buckets, so that the logarithmic buckets are reached.
@@ -188,10 +187,7 @@ def exact_t5_distribution(model, params: SamplingParams, source: list[int] = SOU
     with torch.no_grad():
         model.encode(cache, [source] * len(seqs))
         logits = model.logits(model(seqs, torch.zeros(len(seqs), dtype=torch.int64), cache))[:, :-1].reshape(-1, V)
-    n = logits.shape[0]
-    col = lambda v, dt=torch.float32: torch.full((n,), v, dtype=dt)  # noqa: E731
-    probs = warp_probs(logits, col(params.temperature), col(params.top_k, torch.int64), col(params.top_p),
-                       col(params.min_p)).view(len(conts), NEW, V)
+    probs = reference_warped_probs(logits, params).view(len(conts), NEW, V)  # float64, not the engine's warps
     return probs.gather(-1, conts[..., None]).squeeze(-1).prod(-1)
 
 

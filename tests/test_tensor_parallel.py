@@ -1,7 +1,6 @@
 """Tensor parallelism on CPU: two gloo ranks under torchrun (tests/tp_worker.py) against one process."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from specengine.models.llama import LlamaForCausalLM
 from specengine.models.loader import load_model
 
 from bounds import Float64Llama, assert_tokens_agree
+from server_util import free_port
 from tp_cases import GENERATIONS, logit_trace, serve_with_aborts
 
 # Every architecture whose KV heads split in two (llama-linear-rope has one: the error case).
@@ -25,12 +25,6 @@ SEQUENCES = [[int(t) for t in torch.randint(0, 97, (n,), generator=torch.Generat
              for n in (14, 6, 10)]
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(args: list[str], timeout: int = 600, **env) -> subprocess.CompletedProcess:
