@@ -173,8 +173,6 @@ def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed():
 
 
 
-@pytest.mark.xfail(strict=True, reason="the drafter's host lengths (fed) miss verification's clip when rounds at "
-                   "gamma 0 follow a rejection: only the engine knows which round verified the drafts")
 @pytest.mark.parametrize("static_steps", [False, True])
 def test_drafter_catch_up_after_a_rejection_then_rounds_without_drafts(static_steps):
     """A round drafts 3 and its first draft is rejected (verification clips the draft cache to the
@@ -190,11 +188,36 @@ def test_drafter_catch_up_after_a_rejection_then_rounds_without_drafts(static_st
         drafts = drafter.propose([[1, 2, 3]], [3], sampling).tokens[0].tolist()
         rejected = (drafts[0] + 1) % V
         drafter.cache.lengths.clamp_(max=3)  # verification: the target emitted one token, not drafts[0]
+        drafter.verified([4])                 # the engine says so after the round
         sequence = [1, 2, 3, rejected, 5, 6]  # two target-only rounds later
         proposal = drafter.propose([sequence], [2], sampling)
         fresh = model.new_cache(1, 32)
         want = model.logits(model(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[:, -1]
     torch.testing.assert_close(proposal.logits[:, 0], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("static_steps", [False, True])
+def test_the_drafters_host_lengths_follow_verification_through_rounds_without_drafts(static_steps):
+    """gamma changing between 3 and 0 round by round (as gamma="auto" does): after every step the
+    draft cache's lengths are what the drafter believes they are, or more (a row fed beyond)."""
+    target = tiny_model(V, seed=0, logit_scale=3.0)
+    draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0)
+    engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3, cuda_graphs=static_steps, max_batch_size=4)
+    gammas = iter([3, 0, 0, 3, 3, 0, 3, 0, 0, 0, 3] * 4)
+    engine._round_gamma = lambda active: next(gammas)
+    for seed in range(3):
+        engine.add_request([1 + seed, 2, 3], SamplingParams(max_new_tokens=30, temperature=1.0, seed=seed))
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        drafter = engine.drafter
+        if engine.scheduler.running:
+            rows = len(drafter.fed)
+            held = drafter.cache.lengths[:rows].tolist()
+            assert all(fed <= n for fed, n in zip(drafter.fed, held)), (drafter.fed, held)
+            checked += 1
+    assert checked > 10
+
 
 def test_eager_draft_steps_see_their_whole_prefix_and_name_their_keys():
     """The eager drafter on ragged rows: every draft distribution is the draft model's on the whole

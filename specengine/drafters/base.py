@@ -82,5 +82,9 @@ class Drafter(Protocol):
         """The draft phase of a round run from device state (see ModelDrafter)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft in rounds run from device state")
 
+    def verified(self, lengths: list[int]) -> None:
+        """After a host round that checked this drafter's proposal: the rows now hold sequences of
+        these lengths (verification clipped a draft model's staged cache to the target's)."""
+
     def resync(self, lengths: list[int]) -> None:
         """After rounds run from device state: the rows now hold sequences of these lengths."""

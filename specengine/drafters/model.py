@@ -199,6 +199,11 @@ class ModelDrafter(Drafter):
         return self.steps is not None and all(len(seq) - min(fed, len(seq) - 1) <= self.CATCH_UP_WIDTH
                                               for seq, fed in zip(sequences, self.fed))
 
+    def verified(self, lengths: list[int]):
+        """Verification clipped the cache to all but the last token of each sequence: drafts fed
+        past a rejection are gone, and a catch-up after rounds without drafts starts there."""
+        self.fed = [min(fed, n - 1) for fed, n in zip(self.fed, lengths)]
+
     def resync(self, lengths: list[int]):
         """After rounds run from device state: the rows now hold sequences of these lengths. The
         cache holds at least all but the last two tokens (verification clipped it; full acceptance

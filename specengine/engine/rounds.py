@@ -254,6 +254,8 @@ class RoundRunner:
         checked = dict(draft=proposal.logits, target=logits)
         results = layout.results(_read_back(log), 1, proposal.draft_calls,
                               lambda row, name: row_problems(name, checked[name])[row])
+        if G > 0:
+            self.drafter.verified([len(s) + len(r.tokens) for s, r in zip(sequences, results)])
         scored = [i for i, r in enumerate(active) if r.logprobs is not None and results[i].failure is None]
         if scored:
             self._score(results, scored, active, logits, batch.sampling)
