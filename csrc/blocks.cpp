@@ -180,14 +180,6 @@ float float_weight(const uint8_t* row, int64_t k) {
 }
 using TailWeight = float (*)(const uint8_t* row, int64_t k);
 
-// The sum of one row's vector partial sums (already reduced) with its tail and bias: the end
-// every path shares, so that the order is the same wherever the first part came from.
-SPECENGINE_INLINE float finish(float sum, const float* xr, const uint8_t* row, TailWeight tail, int64_t K32, int64_t K,
-                               const float* bias, int64_t n) {
-  for (int64_t k = K32; k < K; ++k) sum += xr[k] * tail(row, k);
-  return sum + (bias ? bias[n] : 0.f);
-}
-
 // Where one thread's work lies: its rows [begin, end) of one part, written at out[:, column +
 // (n - begin)] (out's rows N apart) with bias[column + ...].
 struct Slice {
@@ -203,6 +195,24 @@ struct Slice {
   int64_t N;
 };
 
+// The end every path shares, so that a row's sum is the same wherever its vector sums came from:
+// out[r, n] of rows [r0, r0 + rows) and columns [n0, n0 + cols) holds the sum of the row's
+// vector partial sums (already reduced); the float types' tail past K32 is added to it weight by
+// weight, then the bias. Out of line, called once a tile has stored its sums: a call inside the
+// tile, with its accumulators live, would change how the tile's loop keeps them in registers.
+__attribute__((noinline)) void add_tails(const Slice& s, int64_t r0, int64_t rows, int64_t n0, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = s.x + (r0 + i) * s.K;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t n = n0 + j;
+      const uint8_t* row = s.data + n * s.row_bytes;
+      float sum = s.out[(r0 + i) * s.N + n];
+      for (int64_t k = s.K32; k < s.K; ++k) sum += xr[k] * s.tail(row, k);
+      s.out[(r0 + i) * s.N + n] = sum + (s.bias ? s.bias[n] : 0.f);
+    }
+  }
+}
+
 // ---- portable path ---------------------------------------------------------------------------
 
 // Sixteen partial sums per (row of x, weight row), mirroring the AVX-512 vectors.
@@ -217,9 +227,10 @@ void tile_portable(const Slice& s, const float* w, int64_t cols, int64_t r0, int
       for (int width = 8; width >= 1; width /= 2)
         for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
       const int64_t n = n0 + j;
-      s.out[(r0 + i) * s.N + n] = finish(acc[0], xr, s.data + n * s.row_bytes, s.tail, s.K32, s.K, s.bias, n);
+      s.out[(r0 + i) * s.N + n] = s.K32 < s.K ? acc[0] : acc[0] + (s.bias ? s.bias[n] : 0.f);
     }
   }
+  if (s.K32 < s.K) add_tails(s, r0, rows, n0, cols);
 }
 
 template <WeightType T>
@@ -451,12 +462,14 @@ BLOCKS_AVX2_INLINE float reduce_avx2(__m256 acc) {
 
 template <int ROWS, int COLS>
 BLOCKS_AVX2_INLINE void store_tile_avx2(const Slice& s, const __m256 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
+  const bool tail = s.K32 < s.K;
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) {
       const int64_t n = n0 + j;
-      s.out[(r0 + i) * s.N + n] =
-          finish(reduce_avx2(acc[i][j]), s.x + (r0 + i) * s.K, s.data + n * s.row_bytes, s.tail, s.K32, s.K, s.bias, n);
+      const float sum = reduce_avx2(acc[i][j]);
+      s.out[(r0 + i) * s.N + n] = tail ? sum : sum + (s.bias ? s.bias[n] : 0.f);
     }
+  if (tail) add_tails(s, r0, ROWS, n0, COLS);
 }
 
 // Rows [r0, r0 + ROWS) of x against COLS weight rows from n0, blocks dequantized into registers,
@@ -898,14 +911,9 @@ BLOCKS_AVX512_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 template <int ROWS, int COLS>
 BLOCKS_AVX512_INLINE void store_tile(const Slice& s, const __m512 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
   if (s.K32 < s.K) {  // a tail (float types only): one by one
-    const float* x = s.x + r0 * s.K;
     for (int i = 0; i < ROWS; ++i)
-      for (int j = 0; j < COLS; ++j) {
-        const int64_t n = n0 + j;
-        s.out[(r0 + i) * s.N + n] = finish(_mm512_reduce_add_ps(acc[i][j]), x + i * s.K, s.data + n * s.row_bytes,
-                                           s.tail, s.K32, s.K, s.bias, n);
-      }
-    return;
+      for (int j = 0; j < COLS; ++j) s.out[(r0 + i) * s.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    return add_tails(s, r0, ROWS, n0, COLS);
   }
   const __m512 zero = _mm512_setzero_ps();
   for (int i = 0; i < ROWS; ++i) {
