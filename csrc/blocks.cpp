@@ -460,9 +460,11 @@ BLOCKS_AVX2_INLINE float reduce_avx2(__m256 acc) {
   return _mm_cvtss_f32(v);
 }
 
-template <int ROWS, int COLS>
+// kTail: the tile's type may be a float type, whose rows have a tail past K32 (a block type's
+// never has: its direct tiles then store without a branch).
+template <bool kTail, int ROWS, int COLS>
 BLOCKS_AVX2_INLINE void store_tile_avx2(const Slice& s, const __m256 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
-  const bool tail = s.K32 < s.K;
+  const bool tail = kTail && s.K32 < s.K;
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) {
       const int64_t n = n0 + j;
@@ -524,7 +526,7 @@ BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0) {
       }
     }
   }
-  store_tile_avx2<ROWS, COLS>(s, acc, r0, n0);
+  store_tile_avx2<Avx2Blocks<T>::kFloat, ROWS, COLS>(s, acc, r0, n0);
 }
 
 // All R (<= kDirectRowsAvx2) rows of x against COLS weight rows from n0 in one tile, so that
@@ -582,7 +584,7 @@ BLOCKS_AVX2 void tile_buffered_avx2(const Slice& s, const float* w, int64_t r0, 
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
-  store_tile_avx2<ROWS, COLS>(s, acc, r0, n0);
+  store_tile_avx2<true, ROWS, COLS>(s, acc, r0, n0);
 }
 
 // All R rows of x, in tiles of 6 (12 accumulators) against COLS buffered weight rows.
@@ -908,9 +910,9 @@ BLOCKS_AVX512_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // out[r0 + i, n0 + j] from the tile's partial sums: reduced, plus the float types' tail, plus bias.
-template <int ROWS, int COLS>
+template <bool kTail, int ROWS, int COLS>  // kTail as store_tile_avx2's
 BLOCKS_AVX512_INLINE void store_tile(const Slice& s, const __m512 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
-  if (s.K32 < s.K) {  // a tail (float types only): one by one
+  if (kTail && s.K32 < s.K) {  // a tail (float types only): one by one
     for (int i = 0; i < ROWS; ++i)
       for (int j = 0; j < COLS; ++j) s.out[(r0 + i) * s.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
     return add_tails(s, r0, ROWS, n0, COLS);
@@ -970,7 +972,7 @@ BLOCKS_AVX512 void tile_direct(const Slice& s, int64_t r0, int64_t n0, const flo
       }
     }
   }
-  store_tile<ROWS, COLS>(s, acc, r0, n0);
+  store_tile<layout_of(T).block_weights == 1, ROWS, COLS>(s, acc, r0, n0);
 }
 
 // All R (<= kDirectRows) rows of x against COLS weight rows from n0 in one tile: first the
@@ -1014,7 +1016,7 @@ BLOCKS_AVX512 void tile_buffered(const Slice& s, const float* x, int64_t xs, con
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
-  store_tile<ROWS, COLS>(s, acc, r0, n0);
+  store_tile<true, ROWS, COLS>(s, acc, r0, n0);
 }
 
 // All R rows of x against COLS buffered weight rows, in tiles of at most kBufferedRows rows
