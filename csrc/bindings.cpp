@@ -289,6 +289,25 @@ std::string cpu_isa_py() {
                                     : "portable";
 }
 
+// blocks.h's kWeightTypes, one dict per type with kernels/weight_types.py's field names.
+py::list weight_type_traits_py() {
+  py::list types;
+  for (const specengine::WeightTypeLayout& t : specengine::kWeightTypes) {
+    py::dict entry;
+    entry["name"] = t.name;
+    entry["type_id"] = static_cast<int64_t>(t.type);
+    entry["block_size"] = t.block_weights;
+    entry["block_bytes"] = t.block_bytes;
+    entry["d"] = t.d;
+    entry["m"] = t.m;
+    entry["scales"] = t.scales;
+    entry["qh"] = t.qh;
+    entry["qs"] = t.qs;
+    types.append(entry);
+  }
+  return types;
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "specengine C++ CPU ops";
   m.def("ngram_propose", &ngram_propose_py, py::arg("tokens"), py::arg("min_n"), py::arg("max_n"),
@@ -318,6 +337,9 @@ PYBIND11_MODULE(_C, m) {
         "out = the exact float32 weights of rows [row_begin, row_end) of a matrix descriptor (use "
         "specengine.ops.blocks).",
         py::arg("matrix"), py::arg("row_begin"), py::arg("row_end"), py::arg("out"));
+  m.def("weight_type_traits", &weight_type_traits_py,
+        "The weight types the block ops take, as csrc/blocks.h lays them out: a dict per type (name, type_id, "
+        "block_size, block_bytes and the byte offsets d, m, scales, qh, qs; -1 where absent).");
   m.def("gather_rows", &gather_rows_py,
         "out [count, K] = the exact float32 weights of rows ids [count] int64 of a matrix descriptor (use "
         "specengine.ops.blocks).",

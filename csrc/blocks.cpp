@@ -21,7 +21,9 @@
 #include "blocks.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_features.h"
@@ -31,39 +33,6 @@
 #endif
 
 namespace specengine {
-
-namespace {
-
-constexpr int64_t block_weights_of(WeightType type) {
-  switch (type) {
-    case WeightType::F32: case WeightType::F16: case WeightType::BF16: return 1;
-    case WeightType::Q4_0: case WeightType::Q4_1: case WeightType::Q5_0: case WeightType::Q5_1:
-    case WeightType::Q8_0: return 32;
-    case WeightType::Q4_K: case WeightType::Q5_K: case WeightType::Q6_K: return 256;
-  }
-  return 0;
-}
-
-constexpr int64_t block_bytes_of(WeightType type) {
-  switch (type) {
-    case WeightType::F32: return 4;
-    case WeightType::F16: case WeightType::BF16: return 2;
-    case WeightType::Q4_0: return 18;
-    case WeightType::Q4_1: return 20;
-    case WeightType::Q5_0: return 22;
-    case WeightType::Q5_1: return 24;
-    case WeightType::Q8_0: return 34;
-    case WeightType::Q4_K: return 144;
-    case WeightType::Q5_K: return 176;
-    case WeightType::Q6_K: return 210;
-  }
-  return 0;
-}
-
-}  // namespace
-
-int64_t block_weights(int64_t type) { return block_weights_of(static_cast<WeightType>(type)); }
-int64_t block_bytes(int64_t type) { return block_bytes_of(static_cast<WeightType>(type)); }
 
 namespace {
 
@@ -129,6 +98,7 @@ SPECENGINE_INLINE void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
 
 template <WeightType T>
 SPECENGINE_INLINE void dequantize_block(const uint8_t* b, float* out) {
+  constexpr WeightTypeLayout L = layout_of(T);
   if constexpr (T == WeightType::F32) {
     std::memcpy(out, b, 4);
   } else if constexpr (T == WeightType::F16) {
@@ -136,43 +106,42 @@ SPECENGINE_INLINE void dequantize_block(const uint8_t* b, float* out) {
   } else if constexpr (T == WeightType::BF16) {
     out[0] = bf16_to_float(load_u16(b));
   } else if constexpr (T == WeightType::Q8_0) {
-    const float d = f16_to_float(load_u16(b));
-    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(static_cast<int8_t>(b[2 + i])) * d;
+    const float d = f16_to_float(load_u16(b + L.d));
+    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(static_cast<int8_t>(b[L.qs + i])) * d;
   } else if constexpr (T == WeightType::Q4_0) {
-    const float d = f16_to_float(load_u16(b));
+    const float d = f16_to_float(load_u16(b + L.d));
     for (int i = 0; i < 16; ++i) {
-      out[i] = d * static_cast<float>((b[2 + i] & 0x0F) - 8);
-      out[i + 16] = d * static_cast<float>((b[2 + i] >> 4) - 8);
+      out[i] = d * static_cast<float>((b[L.qs + i] & 0x0F) - 8);
+      out[i + 16] = d * static_cast<float>((b[L.qs + i] >> 4) - 8);
     }
   } else if constexpr (T == WeightType::Q4_1) {
-    const float d = f16_to_float(load_u16(b)), m = f16_to_float(load_u16(b + 2));
+    const float d = f16_to_float(load_u16(b + L.d)), m = f16_to_float(load_u16(b + L.m));
     for (int i = 0; i < 16; ++i) {
-      out[i] = d * static_cast<float>(b[4 + i] & 0x0F) + m;
-      out[i + 16] = d * static_cast<float>(b[4 + i] >> 4) + m;
+      out[i] = d * static_cast<float>(b[L.qs + i] & 0x0F) + m;
+      out[i + 16] = d * static_cast<float>(b[L.qs + i] >> 4) + m;
     }
   } else if constexpr (T == WeightType::Q5_0 || T == WeightType::Q5_1) {
-    constexpr int offset = T == WeightType::Q5_0 ? 2 : 4;
-    const float d = f16_to_float(load_u16(b));
-    const uint32_t qh = load_u32(b + offset);
-    const uint8_t* qs = b + offset + 4;
+    const float d = f16_to_float(load_u16(b + L.d));
+    const uint32_t qh = load_u32(b + L.qh);
+    const uint8_t* qs = b + L.qs;
     for (int i = 0; i < 16; ++i) {
       const int lo = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4), hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
       if constexpr (T == WeightType::Q5_0) {
         out[i] = d * static_cast<float>(lo - 16);
         out[i + 16] = d * static_cast<float>(hi - 16);
       } else {
-        const float m = f16_to_float(load_u16(b + 2));
+        const float m = f16_to_float(load_u16(b + L.m));
         out[i] = d * static_cast<float>(lo) + m;
         out[i + 16] = d * static_cast<float>(hi) + m;
       }
     }
   } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
-    const float d = f16_to_float(load_u16(b)), dmin = f16_to_float(load_u16(b + 2));
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + (T == WeightType::Q4_K ? 16 : 48);
+    const float d = f16_to_float(load_u16(b + L.d)), dmin = f16_to_float(load_u16(b + L.m));
+    const uint8_t* qh = b + L.qh;  // Q5_K
+    const uint8_t* qs = b + L.qs;
     for (int j = 0; j < 8; ++j) {
       int sc, m;
-      scale_min_k4(b + 4, j, sc, m);
+      scale_min_k4(b + L.scales, j, sc, m);
       const float scale = d * static_cast<float>(sc), shift = dmin * static_cast<float>(m);
       for (int l = 0; l < 32; ++l) {
         int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
@@ -181,10 +150,10 @@ SPECENGINE_INLINE void dequantize_block(const uint8_t* b, float* out) {
       }
     }
   } else if constexpr (T == WeightType::Q6_K) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const float d = f16_to_float(load_u16(b + 208));
+    const uint8_t *ql = b + L.qs, *qh = b + L.qh;
+    const float d = f16_to_float(load_u16(b + L.d));
     for (int g = 0; g < 16; ++g) {
-      const float scale = d * static_cast<float>(static_cast<int8_t>(b[192 + g]));
+      const float scale = d * static_cast<float>(static_cast<int8_t>(b[L.scales + g]));
       for (int l16 = 0; l16 < 16; ++l16) {
         const int i = 16 * g + l16, half = i / 128, group = (i % 128) / 32, l = i % 32;
         const int low = (ql[64 * half + 32 * (group & 1) + l] >> (4 * (group >> 1))) & 0x0F;
@@ -197,31 +166,19 @@ SPECENGINE_INLINE void dequantize_block(const uint8_t* b, float* out) {
 
 template <WeightType T>
 SPECENGINE_INLINE void dequantize_row_portable(const uint8_t* row, int64_t K, float* out) {
-  const int64_t weights = block_weights(static_cast<int64_t>(T)), bytes = block_bytes(static_cast<int64_t>(T));
+  constexpr int64_t weights = layout_of(T).block_weights, bytes = layout_of(T).block_bytes;
   for (int64_t b = 0; b < K / weights; ++b) dequantize_block<T>(row + b * bytes, out + b * weights);
 }
 
-// The weight k of a float-type row (the tail past the last whole step).
-SPECENGINE_INLINE float float_weight(WeightType type, const uint8_t* row, int64_t k) {
-  switch (type) {
-    case WeightType::F32: {
-      float f;
-      std::memcpy(&f, row + 4 * k, 4);
-      return f;
-    }
-    case WeightType::F16: return f16_to_float(load_u16(row + 2 * k));
-    case WeightType::BF16: return bf16_to_float(load_u16(row + 2 * k));
-    default: return 0.f;  // block types have no tail: K is a multiple of their 32 or 256
-  }
+// The weight k of a row of a float type (the tail past the last whole step: block types have
+// none, K being a multiple of their 32 or 256).
+template <WeightType T>
+float float_weight(const uint8_t* row, int64_t k) {
+  float w = 0.f;
+  if constexpr (layout_of(T).block_weights == 1) dequantize_block<T>(row + k * layout_of(T).block_bytes, &w);
+  return w;
 }
-
-// The sum of one row's vector partial sums (already reduced) with its tail and bias: the end
-// every path shares, so that the order is the same wherever the first part came from.
-SPECENGINE_INLINE float finish(float sum, const float* xr, const uint8_t* row, WeightType type, int64_t K32, int64_t K,
-                               const float* bias, int64_t n) {
-  for (int64_t k = K32; k < K; ++k) sum += xr[k] * float_weight(type, row, k);
-  return sum + (bias ? bias[n] : 0.f);
-}
+using TailWeight = float (*)(const uint8_t* row, int64_t k);
 
 // Where one thread's work lies: its rows [begin, end) of one part, written at out[:, column +
 // (n - begin)] (out's rows N apart) with bias[column + ...].
@@ -230,13 +187,31 @@ struct Slice {
   const float* x_lanes;  // AVX-512: x [R, K32] in lane order (see Avx512Blocks), where a part needs it
   float* scratch;        // AVX-512: this thread's room for a group's scales (K / 2 + 16 floats)
   int64_t R, K, K32;
-  WeightType type;
+  TailWeight tail;      // the part's type's float_weight
   const uint8_t* data;  // the part's rows
   int64_t row_bytes, begin, end;
   const float* bias;  // at the part's first row, or nullptr
   float* out;         // at the part's first row's column
   int64_t N;
 };
+
+// The end every path shares, so that a row's sum is the same wherever its vector sums came from:
+// out[r, n] of rows [r0, r0 + rows) and columns [n0, n0 + cols) holds the sum of the row's
+// vector partial sums (already reduced); the float types' tail past K32 is added to it weight by
+// weight, then the bias. Out of line, called once a tile has stored its sums: a call inside the
+// tile, with its accumulators live, would change how the tile's loop keeps them in registers.
+__attribute__((noinline)) void add_tails(const Slice& s, int64_t r0, int64_t rows, int64_t n0, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xr = s.x + (r0 + i) * s.K;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t n = n0 + j;
+      const uint8_t* row = s.data + n * s.row_bytes;
+      float sum = s.out[(r0 + i) * s.N + n];
+      for (int64_t k = s.K32; k < s.K; ++k) sum += xr[k] * s.tail(row, k);
+      s.out[(r0 + i) * s.N + n] = sum + (s.bias ? s.bias[n] : 0.f);
+    }
+  }
+}
 
 // ---- portable path ---------------------------------------------------------------------------
 
@@ -252,9 +227,10 @@ void tile_portable(const Slice& s, const float* w, int64_t cols, int64_t r0, int
       for (int width = 8; width >= 1; width /= 2)
         for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
       const int64_t n = n0 + j;
-      s.out[(r0 + i) * s.N + n] = finish(acc[0], xr, s.data + n * s.row_bytes, s.type, s.K32, s.K, s.bias, n);
+      s.out[(r0 + i) * s.N + n] = s.K32 < s.K ? acc[0] : acc[0] + (s.bias ? s.bias[n] : 0.f);
     }
   }
+  if (s.K32 < s.K) add_tails(s, r0, rows, n0, cols);
 }
 
 template <WeightType T>
@@ -268,12 +244,12 @@ void slice_portable(const Slice& s, float* buffer) {
 }
 
 #ifdef SPECENGINE_X86
-// Q4_K and Q5_K's 16 sub-block fields from their 12 bytes at b + 4, four at a time in 32-bit
+// Q4_K and Q5_K's 16 sub-block fields from their 12 bytes at p, four at a time in 32-bit
 // words (ggml's unpacking of get_scale_min_k4): bytes 0-7 the scales of sub-blocks 0-7, bytes
 // 8-15 their mins. Sub-blocks 0-3 keep their low 6 bits; 4-7 take a nibble of bytes 8-11 and the
 // top 2 bits of bytes 0-3 (scales) or 4-7 (mins).
-SPECENGINE_INLINE __m128i scale_min_k4_bytes(const uint8_t* b) {
-  const uint32_t w0 = load_u32(b + 4), w1 = load_u32(b + 8), w2 = load_u32(b + 12);
+SPECENGINE_INLINE __m128i scale_min_k4_bytes(const uint8_t* p) {
+  const uint32_t w0 = load_u32(p), w1 = load_u32(p + 4), w2 = load_u32(p + 8);
   const uint32_t sc_lo = w0 & 0x3F3F3F3Fu, m_lo = w1 & 0x3F3F3F3Fu;
   const uint32_t sc_hi = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);
   const uint32_t m_hi = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
@@ -337,8 +313,9 @@ BLOCKS_AVX2_INLINE __m256i fifth_bit_set(__m256i qh, int v) {
 // The float types are taken as "blocks" of 32 weights.
 template <WeightType T>
 struct Avx2Blocks {
-  static constexpr bool kFloat = block_weights_of(T) == 1;
-  static constexpr int64_t kWeights = kFloat ? 32 : block_weights_of(T), kBytes = kWeights * block_bytes_of(T) / block_weights_of(T);
+  static constexpr WeightTypeLayout L = layout_of(T);
+  static constexpr bool kFloat = L.block_weights == 1;
+  static constexpr int64_t kWeights = kFloat ? 32 : L.block_weights, kBytes = kWeights * L.block_bytes / L.block_weights;
   static constexpr int64_t kGroups = kWeights / 32;
   static constexpr int64_t kScales = T == WeightType::Q4_K || T == WeightType::Q5_K || T == WeightType::Q6_K ? 16
                                      : T == WeightType::Q4_1 || T == WeightType::Q5_1                         ? 2
@@ -349,29 +326,31 @@ struct Avx2Blocks {
   // insert would chain every block's conversion to the last one's.)
   BLOCKS_AVX2_INLINE static void scales(const uint8_t* b, float* s) {
     if constexpr (T == WeightType::Q8_0 || T == WeightType::Q4_0 || T == WeightType::Q5_0) {
-      s[0] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(b))));
+      s[0] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(b + L.d))));
     } else if constexpr (T == WeightType::Q4_1 || T == WeightType::Q5_1) {
-      _mm_storel_pi(reinterpret_cast<__m64*>(s), _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b)))));  // d, m
+      static_assert(L.m == L.d + 2, "d and m side by side");
+      _mm_storel_pi(reinterpret_cast<__m64*>(s), _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b + L.d)))));
     } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
-      const __m128i fields = scale_min_k4_bytes(b);
+      static_assert(L.m == L.d + 2, "d and dmin side by side");
+      const __m128i fields = scale_min_k4_bytes(b + L.scales);
       const __m128i sc = fields, m = _mm_unpackhi_epi64(fields, fields);
-      const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
+      const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b + L.d))));
       _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_broadcastss_ps(d_dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
       _mm256_storeu_ps(s + 8, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d_dmin)),
                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m))));
     } else if constexpr (T == WeightType::Q6_K) {
-      const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(b + 208)))));
+      const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(b + L.d)))));
       for (int half = 0; half < 2; ++half)
-        _mm256_storeu_ps(s + 8 * half, _mm256_mul_ps(d, _mm256_cvtepi32_ps(widen_i8(b + 192 + 8 * half))));
+        _mm256_storeu_ps(s + 8 * half, _mm256_mul_ps(d, _mm256_cvtepi32_ps(widen_i8(b + L.scales + 8 * half))));
     }
   }
 
   // Q4_K and Q5_K: sub-block g's scale and min alone, into s[g] and s[8 + g] (scalar; what a
   // one-row tile converts as it goes, see tile_direct_avx2).
   BLOCKS_AVX2_INLINE static void group_scales(const uint8_t* b, int g, float* s) {
-    const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b))));
+    const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b + L.d))));
     int sc, m;
-    scale_min_k4(b + 4, g, sc, m);
+    scale_min_k4(b + L.scales, g, sc, m);
     s[g] = _mm_cvtss_f32(d_dmin) * static_cast<float>(sc);
     s[8 + g] = _mm_cvtss_f32(_mm_movehdup_ps(d_dmin)) * static_cast<float>(m);
   }
@@ -389,10 +368,10 @@ struct Avx2Blocks {
       // Sub-block g: byte l of its 32 holds weight l in its low (g even) or high (g odd) nibble.
       // (Widening the bytes once for both sub-blocks of a pair was slower: on the Zen 3 VM, one
       // row of x against 8 weight rows then ran out of registers.)
-      const __m256i bytes = widen_u8(b + (T == WeightType::Q4_K ? 16 : 48) + 32 * (g / 2) + 8 * v);
+      const __m256i bytes = widen_u8(b + L.qs + 32 * (g / 2) + 8 * v);
       __m256i q = g % 2 == 0 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4);
       if constexpr (T == WeightType::Q5_K) {  // bit g of qh byte l
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(widen_u8(b + 16 + 8 * v), g), _mm256_set1_epi32(1));
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(widen_u8(b + L.qh + 8 * v), g), _mm256_set1_epi32(1));
         q = _mm256_or_si256(q, _mm256_slli_epi32(high, 4));
       }
       return _mm256_fmsub_ps(_mm256_set1_ps(s[g]), _mm256_cvtepi32_ps(q), _mm256_set1_ps(s[8 + g]));
@@ -401,8 +380,8 @@ struct Avx2Blocks {
       // high bits from qh; scale 2 g + l / 16.
       const int half = g / 4, k = g % 4;
       const __m256i low = _mm256_and_si256(
-          _mm256_srli_epi32(widen_u8(b + 64 * half + 32 * (k & 1) + 8 * v), 4 * (k >> 1)), _mm256_set1_epi32(0x0F));
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi32(widen_u8(b + 128 + 32 * half + 8 * v), 2 * k),
+          _mm256_srli_epi32(widen_u8(b + L.qs + 64 * half + 32 * (k & 1) + 8 * v), 4 * (k >> 1)), _mm256_set1_epi32(0x0F));
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi32(widen_u8(b + L.qh + 32 * half + 8 * v), 2 * k),
                                             _mm256_set1_epi32(3));
       const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
       return _mm256_mul_ps(_mm256_set1_ps(s[2 * g + v / 2]), _mm256_cvtepi32_ps(q));
@@ -420,8 +399,8 @@ struct Avx2Group {
   static constexpr bool kFifthBit = T == WeightType::Q5_0 || T == WeightType::Q5_1;
   // The legacy types' d (and m) can be broadcast into registers straight from the block.
   static constexpr bool kRegisterScales = kNibbles || T == WeightType::Q8_0;
-  static constexpr bool kHasMin = T == WeightType::Q4_1 || T == WeightType::Q5_1;
-  static constexpr int kQs = T == WeightType::Q4_0 ? 2 : T == WeightType::Q4_1 ? 4 : T == WeightType::Q5_0 ? 6 : 8;
+  static constexpr WeightTypeLayout L = layout_of(T);
+  static constexpr bool kHasMin = L.m >= 0;
   // Q4_0 and Q5_0's codes are offset by c = 8, 16: weight d (q - c).
   static constexpr int kOffset = T == WeightType::Q4_0 ? 8 : T == WeightType::Q5_0 ? 16 : 0;
   const float* s;
@@ -434,7 +413,9 @@ struct Avx2Group {
   BLOCKS_AVX2_INLINE Avx2Group(const float* scales, const uint8_t* block, int group) : s(scales), b(block), g(group) {
     if constexpr (kRegisterScales) {
       if (s == nullptr) {
-        const __m128 fields = _mm_cvtph_ps(_mm_cvtsi32_si128(kHasMin ? static_cast<int>(load_u32(b)) : load_u16(b)));
+        static_assert(!kHasMin || L.m == L.d + 2, "d and m side by side");
+        const __m128 fields =
+            _mm_cvtph_ps(_mm_cvtsi32_si128(kHasMin ? static_cast<int>(load_u32(b + L.d)) : load_u16(b + L.d)));
         d = _mm256_broadcastss_ps(fields);
         if constexpr (kHasMin) m = _mm256_broadcastss_ps(_mm_movehdup_ps(fields));
       } else {
@@ -444,10 +425,10 @@ struct Avx2Group {
       if constexpr (kOffset > 0) m = _mm256_mul_ps(d, _mm256_set1_ps(-static_cast<float>(kOffset)));
     }
     if constexpr (kNibbles) {
-      bytes[0] = widen_u8(b + kQs);
-      bytes[1] = widen_u8(b + kQs + 8);
+      bytes[0] = widen_u8(b + L.qs);
+      bytes[1] = widen_u8(b + L.qs + 8);
     }
-    if constexpr (kFifthBit) qh = _mm256_set1_epi32(static_cast<int>(load_u32(b + kQs - 4)));
+    if constexpr (kFifthBit) qh = _mm256_set1_epi32(static_cast<int>(load_u32(b + L.qh)));
   }
 
   template <bool kProduct>
@@ -464,7 +445,7 @@ struct Avx2Group {
       if constexpr (kOffset == 0 || kProduct) return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);  // d q + m
       return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(kOffset))));  // gguf: d (q - c)
     } else if constexpr (T == WeightType::Q8_0) {
-      return _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(b + 2 + 8 * v)), d);  // gguf: q * d
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(b + L.qs + 8 * v)), d);  // gguf: q * d
     } else {
       return Avx2Blocks<T>::template piece<kProduct>(s, b, g, v);
     }
@@ -479,14 +460,18 @@ BLOCKS_AVX2_INLINE float reduce_avx2(__m256 acc) {
   return _mm_cvtss_f32(v);
 }
 
-template <int ROWS, int COLS>
+// kTail: the tile's type may be a float type, whose rows have a tail past K32 (a block type's
+// never has: its direct tiles then store without a branch).
+template <bool kTail, int ROWS, int COLS>
 BLOCKS_AVX2_INLINE void store_tile_avx2(const Slice& s, const __m256 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
+  const bool tail = kTail && s.K32 < s.K;
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) {
       const int64_t n = n0 + j;
-      s.out[(r0 + i) * s.N + n] =
-          finish(reduce_avx2(acc[i][j]), s.x + (r0 + i) * s.K, s.data + n * s.row_bytes, s.type, s.K32, s.K, s.bias, n);
+      const float sum = reduce_avx2(acc[i][j]);
+      s.out[(r0 + i) * s.N + n] = tail ? sum : sum + (s.bias ? s.bias[n] : 0.f);
     }
+  if (tail) add_tails(s, r0, ROWS, n0, COLS);
 }
 
 // Rows [r0, r0 + ROWS) of x against COLS weight rows from n0, blocks dequantized into registers,
@@ -541,7 +526,7 @@ BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0) {
       }
     }
   }
-  store_tile_avx2<ROWS, COLS>(s, acc, r0, n0);
+  store_tile_avx2<Avx2Blocks<T>::kFloat, ROWS, COLS>(s, acc, r0, n0);
 }
 
 // All R (<= kDirectRowsAvx2) rows of x against COLS weight rows from n0 in one tile, so that
@@ -599,7 +584,7 @@ BLOCKS_AVX2 void tile_buffered_avx2(const Slice& s, const float* w, int64_t r0, 
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
-  store_tile_avx2<ROWS, COLS>(s, acc, r0, n0);
+  store_tile_avx2<true, ROWS, COLS>(s, acc, r0, n0);
 }
 
 // All R rows of x, in tiles of 6 (12 accumulators) against COLS buffered weight rows.
@@ -744,30 +729,32 @@ struct Avx512Blocks<WeightType::BF16> {
 
 template <>
 struct Avx512Blocks<WeightType::Q8_0> {
-  static constexpr int64_t kWeights = 32, kBytes = 34, kGroups = 1, kScales = 1;
+  static constexpr WeightTypeLayout L = layout_of(WeightType::Q8_0);
+  static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 1, kScales = 1;
   static constexpr bool kLanes = false;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b)); }
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b + L.d)); }
   BLOCKS_AVX512_INLINE static __m512 widen(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
-    lo = _mm512_mul_ps(widen(b + 2), _mm512_set1_ps(s[0]));  // gguf: q * d
-    hi = _mm512_mul_ps(widen(b + 18), _mm512_set1_ps(s[0]));
+    lo = _mm512_mul_ps(widen(b + L.qs), _mm512_set1_ps(s[0]));  // gguf: q * d
+    hi = _mm512_mul_ps(widen(b + L.qs + 16), _mm512_set1_ps(s[0]));
   }
 };
 
 // Q4_0 and Q4_1: a table of the block's 16 values, looked up by nibble.
 template <>
 struct Avx512Blocks<WeightType::Q4_0> {
-  static constexpr int64_t kWeights = 32, kBytes = 18, kGroups = 1, kScales = 1;
+  static constexpr WeightTypeLayout L = layout_of(WeightType::Q4_0);
+  static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 1, kScales = 1;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b)); }
+  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b + L.d)); }
   BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
     const __m512 table = _mm512_mul_ps(_mm512_set1_ps(s[0]), iota_ps(-8.f));  // d * (q - 8)
-    lo = _mm512_permutexvar_ps(bytes_in_lanes(b + 2, 0), table);
-    hi = _mm512_permutexvar_ps(bytes_in_lanes(b + 2, 4), table);
+    lo = _mm512_permutexvar_ps(bytes_in_lanes(b + L.qs, 0), table);
+    hi = _mm512_permutexvar_ps(bytes_in_lanes(b + L.qs, 4), table);
   }
 };
 
@@ -777,16 +764,18 @@ BLOCKS_AVX512_INLINE __m512 exact_affine(__m512 d, __m512 q, __m512 m) { return 
 
 template <>
 struct Avx512Blocks<WeightType::Q4_1> {
-  static constexpr int64_t kWeights = 32, kBytes = 20, kGroups = 1, kScales = 2;
+  static constexpr WeightTypeLayout L = layout_of(WeightType::Q4_1);
+  static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 1, kScales = 2;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 4;
   BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
-    _mm_storel_pi(reinterpret_cast<__m64*>(s), f16_pair(b));  // d, m
+    static_assert(L.m == L.d + 2, "d and m side by side");
+    _mm_storel_pi(reinterpret_cast<__m64*>(s), f16_pair(b + L.d));  // d, m
   }
   BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
     const __m512 table = exact_affine(_mm512_set1_ps(s[0]), iota_ps(0.f), _mm512_set1_ps(s[1]));
-    lo = _mm512_permutexvar_ps(bytes_in_lanes(b + 4, 0), table);
-    hi = _mm512_permutexvar_ps(bytes_in_lanes(b + 4, 4), table);
+    lo = _mm512_permutexvar_ps(bytes_in_lanes(b + L.qs, 0), table);
+    hi = _mm512_permutexvar_ps(bytes_in_lanes(b + L.qs, 4), table);
   }
 };
 
@@ -794,12 +783,13 @@ struct Avx512Blocks<WeightType::Q4_1> {
 // weight i being bit i of the block's qh word.
 template <WeightType T>
 struct Avx512Q5 {
-  static constexpr int64_t kWeights = 32, kBytes = T == WeightType::Q5_0 ? 22 : 24, kGroups = 1, kScales = 2;
+  static constexpr WeightTypeLayout L = layout_of(T);
+  static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 1, kScales = 2;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 4;
-  static constexpr int kOffset = T == WeightType::Q5_0 ? 2 : 4;
   BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
-    _mm_storel_pi(reinterpret_cast<__m64*>(s), f16_pair(b));  // d, m (Q5_0: m is qh's bytes, unused)
+    static_assert(L.d + 2 == (L.m >= 0 ? L.m : L.qh), "d and then m (Q5_1) or qh (Q5_0)");
+    _mm_storel_pi(reinterpret_cast<__m64*>(s), f16_pair(b + L.d));  // d, m (Q5_0: m is qh's bytes, unused)
   }
   BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
     const __m512 d = _mm512_set1_ps(s[0]);
@@ -811,10 +801,10 @@ struct Avx512Q5 {
       low = exact_affine(d, iota_ps(0.f), _mm512_set1_ps(s[1]));
       high = exact_affine(d, iota_ps(16.f), _mm512_set1_ps(s[1]));
     }
-    const __m512i qh = _mm512_set1_epi32(static_cast<int>(load_u32(b + kOffset)));
+    const __m512i qh = _mm512_set1_epi32(static_cast<int>(load_u32(b + L.qh)));
     const __m512i byte = lane_bytes();  // weight kLaneByte[l] (and 16 + that) of lane l
-    const __m512i lo_index = five_bit_index(bytes_in_lanes(b + kOffset + 4, 0), _mm512_srlv_epi32(qh, byte));
-    const __m512i hi_index = five_bit_index(bytes_in_lanes(b + kOffset + 4, 4),
+    const __m512i lo_index = five_bit_index(bytes_in_lanes(b + L.qs, 0), _mm512_srlv_epi32(qh, byte));
+    const __m512i hi_index = five_bit_index(bytes_in_lanes(b + L.qs, 4),
                                             _mm512_srlv_epi32(qh, _mm512_add_epi32(byte, _mm512_set1_epi32(16))));
     lo = _mm512_permutex2var_ps(low, lo_index, high);
     hi = _mm512_permutex2var_ps(low, hi_index, high);
@@ -829,13 +819,15 @@ struct Avx512Blocks<WeightType::Q5_1> : Avx512Q5<WeightType::Q5_1> {};
 // table. scales: s[0..7] the scales, s[8..15] the shifts.
 template <WeightType T>
 struct Avx512K4 {
-  static constexpr int64_t kWeights = 256, kBytes = T == WeightType::Q4_K ? 144 : 176, kGroups = 8, kScales = 16;
+  static constexpr WeightTypeLayout L = layout_of(T);
+  static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 8, kScales = 16;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 4;
   BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
-    const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scale_min_k4_bytes(b)));
+    static_assert(L.m == L.d + 2, "d and dmin side by side");
+    const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scale_min_k4_bytes(b + L.scales)));
     const __m512 d_dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                                _mm512_castps128_ps512(f16_pair(b)));
+                                                _mm512_castps128_ps512(f16_pair(b + L.d)));
     _mm512_storeu_ps(s, _mm512_mul_ps(d_dmin, fields));  // d * sc, dmin * m
   }
   BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int g, __m512& lo, __m512& hi) {
@@ -843,7 +835,7 @@ struct Avx512K4 {
     // (fused) is gguf's two.
     const __m512 scale = _mm512_set1_ps(s[g]), shift = _mm512_set1_ps(s[8 + g]);
     const __m512 table0 = _mm512_fmsub_ps(scale, iota_ps(0.f), shift);
-    const uint8_t* qs = b + (T == WeightType::Q4_K ? 16 : 48) + 32 * (g / 2);
+    const uint8_t* qs = b + L.qs + 32 * (g / 2);
     const int nibble = 4 * (g % 2);
     const __m512i q0 = bytes_in_lanes(qs, nibble), q1 = bytes_in_lanes(qs + 16, nibble);
     if constexpr (T == WeightType::Q4_K) {
@@ -852,7 +844,7 @@ struct Avx512K4 {
     } else {
       const __m512 table1 = _mm512_fmsub_ps(scale, iota_ps(16.f), shift);
       // Bit g of qh byte kLaneByte[l] (of the first or second 16) in lane l.
-      const __m512i h0 = bytes_in_lanes(b + 16, g), h1 = bytes_in_lanes(b + 32, g);
+      const __m512i h0 = bytes_in_lanes(b + L.qh, g), h1 = bytes_in_lanes(b + L.qh + 16, g);
       lo = _mm512_permutex2var_ps(table0, five_bit_index(q0, h0), table1);
       hi = _mm512_permutex2var_ps(table0, five_bit_index(q1, h1), table1);
     }
@@ -866,19 +858,20 @@ struct Avx512Blocks<WeightType::Q5_K> : Avx512K4<WeightType::Q5_K> {};
 // Q6_K: 16 scales d * scale[i], one per 16 weights; q = low nibble | 2 high bits << 4, minus 32.
 template <>
 struct Avx512Blocks<WeightType::Q6_K> {
-  static constexpr int64_t kWeights = 256, kBytes = 210, kGroups = 8, kScales = 16;
+  static constexpr WeightTypeLayout L = layout_of(WeightType::Q6_K);
+  static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 8, kScales = 16;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 2;  // 4 x 4 tiles spilled registers
   BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b + 208)));
-    const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b + L.d)));
+    const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + L.scales)));
     _mm512_storeu_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(scales)));
   }
   // Weights 16 part .. 16 part + 15 of group g (0..7): 128 weights per half of the block, 4 groups each.
   BLOCKS_AVX512_INLINE static __m512 sixteen(const float* s, const uint8_t* b, int g, int part) {
     const int half = g / 4, k = g % 4;
-    const __m512i low = bytes_in_lanes(b + 64 * half + 32 * (k & 1) + 16 * part, 4 * (k >> 1));
-    const __m512i qh = bytes_in_lanes(b + 128 + 32 * half + 16 * part, 0);
+    const __m512i low = bytes_in_lanes(b + L.qs + 64 * half + 32 * (k & 1) + 16 * part, 4 * (k >> 1));
+    const __m512i qh = bytes_in_lanes(b + L.qh + 32 * half + 16 * part, 0);
     const __m512i high = k < 3 ? _mm512_slli_epi32(qh, 4 - 2 * k) : _mm512_srli_epi32(qh, 2);  // bits 2k, 2k+1 -> 4, 5
     const __m512i q = _mm512_and_si512(_mm512_ternarylogic_epi32(low, high, _mm512_set1_epi32(0x0F), 0xE4),
                                        _mm512_set1_epi32(0x3F));
@@ -890,23 +883,6 @@ struct Avx512Blocks<WeightType::Q6_K> {
     hi = sixteen(s, b, g, 1);
   }
 };
-
-bool lane_order(WeightType type) {
-  switch (type) {
-    case WeightType::F32: return Avx512Blocks<WeightType::F32>::kLanes;
-    case WeightType::F16: return Avx512Blocks<WeightType::F16>::kLanes;
-    case WeightType::BF16: return Avx512Blocks<WeightType::BF16>::kLanes;
-    case WeightType::Q4_0: return Avx512Blocks<WeightType::Q4_0>::kLanes;
-    case WeightType::Q4_1: return Avx512Blocks<WeightType::Q4_1>::kLanes;
-    case WeightType::Q5_0: return Avx512Blocks<WeightType::Q5_0>::kLanes;
-    case WeightType::Q5_1: return Avx512Blocks<WeightType::Q5_1>::kLanes;
-    case WeightType::Q8_0: return Avx512Blocks<WeightType::Q8_0>::kLanes;
-    case WeightType::Q4_K: return Avx512Blocks<WeightType::Q4_K>::kLanes;
-    case WeightType::Q5_K: return Avx512Blocks<WeightType::Q5_K>::kLanes;
-    case WeightType::Q6_K: return Avx512Blocks<WeightType::Q6_K>::kLanes;
-  }
-  return false;
-}
 
 // x [R, K] -> [R, K32], each run of 16 in lane order.
 BLOCKS_AVX512 std::vector<float> x_in_lanes(const float* x, int64_t R, int64_t K, int64_t K32) {
@@ -934,17 +910,12 @@ BLOCKS_AVX512_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // out[r0 + i, n0 + j] from the tile's partial sums: reduced, plus the float types' tail, plus bias.
-template <int ROWS, int COLS>
+template <bool kTail, int ROWS, int COLS>  // kTail as store_tile_avx2's
 BLOCKS_AVX512_INLINE void store_tile(const Slice& s, const __m512 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
-  if (s.K32 < s.K) {  // a tail (float types only): one by one
-    const float* x = s.x + r0 * s.K;
+  if (kTail && s.K32 < s.K) {  // a tail (float types only): one by one
     for (int i = 0; i < ROWS; ++i)
-      for (int j = 0; j < COLS; ++j) {
-        const int64_t n = n0 + j;
-        s.out[(r0 + i) * s.N + n] = finish(_mm512_reduce_add_ps(acc[i][j]), x + i * s.K, s.data + n * s.row_bytes,
-                                           s.type, s.K32, s.K, s.bias, n);
-      }
-    return;
+      for (int j = 0; j < COLS; ++j) s.out[(r0 + i) * s.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+    return add_tails(s, r0, ROWS, n0, COLS);
   }
   const __m512 zero = _mm512_setzero_ps();
   for (int i = 0; i < ROWS; ++i) {
@@ -1001,7 +972,7 @@ BLOCKS_AVX512 void tile_direct(const Slice& s, int64_t r0, int64_t n0, const flo
       }
     }
   }
-  store_tile<ROWS, COLS>(s, acc, r0, n0);
+  store_tile<layout_of(T).block_weights == 1, ROWS, COLS>(s, acc, r0, n0);
 }
 
 // All R (<= kDirectRows) rows of x against COLS weight rows from n0 in one tile: first the
@@ -1045,7 +1016,7 @@ BLOCKS_AVX512 void tile_buffered(const Slice& s, const float* x, int64_t xs, con
       for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
-  store_tile<ROWS, COLS>(s, acc, r0, n0);
+  store_tile<true, ROWS, COLS>(s, acc, r0, n0);
 }
 
 // All R rows of x against COLS buffered weight rows, in tiles of at most kBufferedRows rows
@@ -1144,22 +1115,6 @@ void run_slice(Path path, const Slice& s, float* buffer) {
   slice_portable<T>(s, buffer);
 }
 
-void dispatch_slice(Path path, const Slice& s, float* buffer) {
-  switch (s.type) {
-    case WeightType::F32: return run_slice<WeightType::F32>(path, s, buffer);
-    case WeightType::F16: return run_slice<WeightType::F16>(path, s, buffer);
-    case WeightType::BF16: return run_slice<WeightType::BF16>(path, s, buffer);
-    case WeightType::Q4_0: return run_slice<WeightType::Q4_0>(path, s, buffer);
-    case WeightType::Q4_1: return run_slice<WeightType::Q4_1>(path, s, buffer);
-    case WeightType::Q5_0: return run_slice<WeightType::Q5_0>(path, s, buffer);
-    case WeightType::Q5_1: return run_slice<WeightType::Q5_1>(path, s, buffer);
-    case WeightType::Q8_0: return run_slice<WeightType::Q8_0>(path, s, buffer);
-    case WeightType::Q4_K: return run_slice<WeightType::Q4_K>(path, s, buffer);
-    case WeightType::Q5_K: return run_slice<WeightType::Q5_K>(path, s, buffer);
-    case WeightType::Q6_K: return run_slice<WeightType::Q6_K>(path, s, buffer);
-  }
-}
-
 // Whole rows [0, K) of `count` consecutive rows of one part into out [count, K].
 template <WeightType T>
 void dequantize_part_rows(Path path, const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, float* out) {
@@ -1190,21 +1145,41 @@ void dequantize_part_rows(Path path, const uint8_t* rows, int64_t row_bytes, int
   for (int64_t j = 0; j < count; ++j) dequantize_row_portable<T>(rows + j * row_bytes, K, out + j * K);
 }
 
-void dispatch_rows(Path path, WeightType type, const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K,
-                   float* out) {
-  switch (type) {
-    case WeightType::F32: return dequantize_part_rows<WeightType::F32>(path, rows, row_bytes, count, K, out);
-    case WeightType::F16: return dequantize_part_rows<WeightType::F16>(path, rows, row_bytes, count, K, out);
-    case WeightType::BF16: return dequantize_part_rows<WeightType::BF16>(path, rows, row_bytes, count, K, out);
-    case WeightType::Q4_0: return dequantize_part_rows<WeightType::Q4_0>(path, rows, row_bytes, count, K, out);
-    case WeightType::Q4_1: return dequantize_part_rows<WeightType::Q4_1>(path, rows, row_bytes, count, K, out);
-    case WeightType::Q5_0: return dequantize_part_rows<WeightType::Q5_0>(path, rows, row_bytes, count, K, out);
-    case WeightType::Q5_1: return dequantize_part_rows<WeightType::Q5_1>(path, rows, row_bytes, count, K, out);
-    case WeightType::Q8_0: return dequantize_part_rows<WeightType::Q8_0>(path, rows, row_bytes, count, K, out);
-    case WeightType::Q4_K: return dequantize_part_rows<WeightType::Q4_K>(path, rows, row_bytes, count, K, out);
-    case WeightType::Q5_K: return dequantize_part_rows<WeightType::Q5_K>(path, rows, row_bytes, count, K, out);
-    case WeightType::Q6_K: return dequantize_part_rows<WeightType::Q6_K>(path, rows, row_bytes, count, K, out);
-  }
+// Each weight type's functions, which choose their instruction-set path inside; one entry per
+// type of kWeightTypes (blocks.h), in its order. A new type's entry comes from its
+// dequantize_block (portable), Avx2Blocks/Avx2Group and Avx512Blocks specializations.
+struct TypeFunctions {
+  WeightType type;
+  void (*slice)(Path, const Slice&, float*);  // a thread's rows of the product (run_slice)
+  void (*rows)(Path, const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K,
+               float* out);  // whole rows dequantized (dequantize_part_rows)
+  TailWeight tail;           // a float type's weight k of a row (float_weight)
+  bool lane_order;           // AVX-512: its weights come in lane order, so x must too (Avx512Blocks)
+};
+
+template <WeightType T>
+constexpr TypeFunctions functions_of() {
+#ifdef SPECENGINE_X86
+  constexpr bool lanes = Avx512Blocks<T>::kLanes;
+#else
+  constexpr bool lanes = false;
+#endif
+  return {T, &run_slice<T>, &dequantize_part_rows<T>, &float_weight<T>, lanes};
+}
+
+template <size_t... I>
+constexpr std::array<TypeFunctions, sizeof...(I)> functions_table(std::index_sequence<I...>) {
+  return {functions_of<kWeightTypes[I].type>()...};
+}
+
+constexpr std::array<TypeFunctions, kWeightTypeCount> kTypeFunctions =
+    functions_table(std::make_index_sequence<kWeightTypeCount>{});
+
+// The functions of `type` (a type the bindings checked: every part's is one of kWeightTypes).
+const TypeFunctions& functions(WeightType type) {
+  for (const TypeFunctions& f : kTypeFunctions)
+    if (f.type == type) return f;
+  return kTypeFunctions[0];
 }
 
 int64_t part_row_bytes(const MatrixPart& part, int64_t K) {
@@ -1245,7 +1220,7 @@ void linear_blocks(const float* x, const Matrix& w, const float* bias, float* ou
   std::vector<float> x_lanes;
 #ifdef SPECENGINE_X86
   bool lanes = false;
-  for (int64_t p = 0; p < w.part_count; ++p) lanes = lanes || lane_order(w.parts[p].type);
+  for (int64_t p = 0; p < w.part_count; ++p) lanes = lanes || functions(w.parts[p].type).lane_order;
   if (path == Path::avx512 && lanes) x_lanes = x_in_lanes(x, R, K, K32);
 #endif
 #pragma omp parallel if (N * K >= kParallelWeights)
@@ -1261,9 +1236,10 @@ void linear_blocks(const float* x, const Matrix& w, const float* bias, float* ou
       const MatrixPart& part = w.parts[p];
       const int64_t lo = std::max(begin, first), hi = std::min(end, first + part.rows);
       if (lo < hi) {
-        const Slice s{x,     x_lanes.data(), scratch.data(), R, K, K32, part.type, part.data, part_row_bytes(part, K),
-                      lo - first, hi - first, bias ? bias + first : nullptr, out + first, N};
-        dispatch_slice(path, s, buffer.data());
+        const TypeFunctions& f = functions(part.type);
+        const Slice s{x,          x_lanes.data(), scratch.data(), R, K, K32, f.tail, part.data, part_row_bytes(part, K),
+                      lo - first, hi - first,     bias ? bias + first : nullptr, out + first, N};
+        f.slice(path, s, buffer.data());
       }
       first += part.rows;
     }
@@ -1291,8 +1267,8 @@ void dequantize_rows_serial(const Matrix& w, int64_t row_begin, int64_t row_end,
     const int64_t lo = std::max(row_begin, first), hi = std::min(row_end, first + part.rows);
     if (lo < hi) {
       const int64_t row_bytes = part_row_bytes(part, K);
-      dispatch_rows(path, part.type, part.data + (lo - first) * row_bytes, row_bytes, hi - lo, K,
-                    out + (lo - row_begin) * K);
+      functions(part.type).rows(path, part.data + (lo - first) * row_bytes, row_bytes, hi - lo, K,
+                                out + (lo - row_begin) * K);
     }
     first += part.rows;
   }
@@ -1311,7 +1287,7 @@ void gather_rows(const Matrix& w, const int64_t* ids, int64_t count, float* out)
       while (p + 1 < w.part_count && row >= w.parts[p].rows) row -= w.parts[p++].rows;
       const MatrixPart& part = w.parts[p];
       const int64_t row_bytes = part_row_bytes(part, K);
-      dispatch_rows(path, part.type, part.data + row * row_bytes, row_bytes, 1, K, out + i * K);
+      functions(part.type).rows(path, part.data + row * row_bytes, row_bytes, 1, K, out + i * K);
     }
   }
 }

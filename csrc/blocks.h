@@ -27,9 +27,49 @@ enum class WeightType : int32_t {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
 };
 
+// A weight type's block: block_weights weights in block_bytes bytes (the float types: one weight),
+// and where its fields start in a block, -1 where it has none (kernels/weight_types.py says what
+// each field holds): d the float16 scale, m the float16 min or dmin, scales the sub-block scales,
+// qh the codes' high bits, qs their low bits (or a float type's value).
+struct WeightTypeLayout {
+  WeightType type;
+  const char* name;
+  int64_t block_weights, block_bytes;
+  int d, m, scales, qh, qs;
+};
+
+// The weight types: kernels/weight_types.py holds the same table for Python and Triton, and
+// tests/test_weight_types.py compares the two (through _C.weight_type_traits). Adding a type is an
+// entry here and its functions in blocks.cpp (see kTypeFunctions there).
+inline constexpr WeightTypeLayout kWeightTypes[] = {
+    // type           name   weights bytes  d    m scales  qh  qs
+    {WeightType::F32,  "F32",    1,   4,  -1, -1,  -1,  -1,  0},
+    {WeightType::F16,  "F16",    1,   2,  -1, -1,  -1,  -1,  0},
+    {WeightType::Q4_0, "Q4_0",  32,  18,   0, -1,  -1,  -1,  2},
+    {WeightType::Q4_1, "Q4_1",  32,  20,   0,  2,  -1,  -1,  4},
+    {WeightType::Q5_0, "Q5_0",  32,  22,   0, -1,  -1,   2,  6},
+    {WeightType::Q5_1, "Q5_1",  32,  24,   0,  2,  -1,   4,  8},
+    {WeightType::Q8_0, "Q8_0",  32,  34,   0, -1,  -1,  -1,  2},
+    {WeightType::Q4_K, "Q4_K", 256, 144,   0,  2,   4,  -1, 16},
+    {WeightType::Q5_K, "Q5_K", 256, 176,   0,  2,   4,  16, 48},
+    {WeightType::Q6_K, "Q6_K", 256, 210, 208, -1, 192, 128,  0},
+    {WeightType::BF16, "BF16",   1,   2,  -1, -1,  -1,  -1,  0},
+};
+inline constexpr int64_t kWeightTypeCount = sizeof kWeightTypes / sizeof kWeightTypes[0];
+
+// The layout of the type with ggml id `type`; nullptr for an id that names no WeightType.
+constexpr const WeightTypeLayout* find_layout(int64_t type) {
+  for (const WeightTypeLayout& layout : kWeightTypes)
+    if (static_cast<int64_t>(layout.type) == type) return &layout;
+  return nullptr;
+}
+
+// The layout of a type known at compile time (the kernels' block structs read it).
+constexpr const WeightTypeLayout& layout_of(WeightType type) { return *find_layout(static_cast<int64_t>(type)); }
+
 // Weights per block and bytes per block of `type`; 0 for an id that names no WeightType.
-int64_t block_weights(int64_t type);
-int64_t block_bytes(int64_t type);
+constexpr int64_t block_weights(int64_t type) { return find_layout(type) ? find_layout(type)->block_weights : 0; }
+constexpr int64_t block_bytes(int64_t type) { return find_layout(type) ? find_layout(type)->block_bytes : 0; }
 
 struct MatrixPart {
   WeightType type;

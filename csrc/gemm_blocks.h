@@ -5,8 +5,8 @@
 
 namespace specengine {
 
-// out[r, n] = bias[n] + sum_k x[r, k] * w[n, k] for prompt-sized R (a prefill: GEMM_ROWS or more
-// tokens per row), w a matrix of ggml blocks (blocks.h) or of float32/float16/bfloat16 weights,
+// out[r, n] = bias[n] + sum_k x[r, k] * w[n, k] for prompt-sized R (a prefill: ops.product's
+// GEMM_MIN_TOKENS_PER_ROW or more tokens per row), w a matrix of ggml blocks (blocks.h) or of float32/float16/bfloat16 weights,
 // dequantized to float32 a few rows at a time on the way in.
 //
 // x [R, K] float32, contiguous; bias [N] float32 or nullptr; out rows out_stride floats apart

@@ -5,7 +5,7 @@ package's numpy dequantization.
 Terms used throughout:
   weight type  ggml's tensor type id of a part (the constexprs F32 ... BF16 below, gguf's
                GGMLQuantizationType): a float format (one weight per "block") or a block format
-               of `block_size` weights in `block_bytes` bytes (LAYOUT).
+               of `block_size` weights in `block_bytes` bytes (kernels/weight_types.py).
   part         rows of one weight type: w_ptr points at their first byte (block formats, *u8),
                float (F32: *fp32, F16: *fp16) or raw bfloat16 bits (BF16: *i16); a row is
                `row_stride` elements of w_ptr.
@@ -74,33 +74,65 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# ggml's type ids of the weight types (gguf.GGMLQuantizationType).
-F32 = tl.constexpr(0)
-F16 = tl.constexpr(1)
-Q4_0 = tl.constexpr(2)
-Q4_1 = tl.constexpr(3)
-Q5_0 = tl.constexpr(6)
-Q5_1 = tl.constexpr(7)
-Q8_0 = tl.constexpr(8)
-Q4_K = tl.constexpr(12)
-Q5_K = tl.constexpr(13)
-Q6_K = tl.constexpr(14)
-BF16 = tl.constexpr(30)
-# weight type -> (weights per block, bytes per block), ggml's (gguf.GGML_QUANT_SIZES).
-LAYOUT = {F32.value: (1, 4), F16.value: (1, 2), BF16.value: (1, 2), Q4_0.value: (32, 18), Q4_1.value: (32, 20),
-          Q5_0.value: (32, 22), Q5_1.value: (32, 24), Q8_0.value: (32, 34), Q4_K.value: (256, 144),
-          Q5_K.value: (256, 176), Q6_K.value: (256, 210)}
-FLOAT_TYPES = (F32.value, F16.value, BF16.value)
+from .weight_types import BY_ID, BY_NAME
+
+# ggml's type ids of the weight types (gguf.GGMLQuantizationType), from the one table of them.
+F32 = tl.constexpr(BY_NAME["F32"].type_id)
+F16 = tl.constexpr(BY_NAME["F16"].type_id)
+Q4_0 = tl.constexpr(BY_NAME["Q4_0"].type_id)
+Q4_1 = tl.constexpr(BY_NAME["Q4_1"].type_id)
+Q5_0 = tl.constexpr(BY_NAME["Q5_0"].type_id)
+Q5_1 = tl.constexpr(BY_NAME["Q5_1"].type_id)
+Q8_0 = tl.constexpr(BY_NAME["Q8_0"].type_id)
+Q4_K = tl.constexpr(BY_NAME["Q4_K"].type_id)
+Q5_K = tl.constexpr(BY_NAME["Q5_K"].type_id)
+Q6_K = tl.constexpr(BY_NAME["Q6_K"].type_id)
+BF16 = tl.constexpr(BY_NAME["BF16"].type_id)
+# weight type -> (weights per block, bytes per block)
+LAYOUT = {t.type_id: (t.block_size, t.block_bytes) for t in BY_ID.values()}
+FLOAT_TYPES = tuple(t.type_id for t in BY_ID.values() if t.is_float)
+
+
+# A type's block bytes and field offsets (kernels/weight_types.py), read while a kernel compiles.
+@triton.constexpr_function
+def _block_bytes(type_id):
+    return BY_ID[type_id].block_bytes
+
+
+@triton.constexpr_function
+def _d_at(type_id):
+    return BY_ID[type_id].d
+
+
+@triton.constexpr_function
+def _m_at(type_id):
+    return BY_ID[type_id].m
+
+
+@triton.constexpr_function
+def _scales_at(type_id):
+    return BY_ID[type_id].scales
+
+
+@triton.constexpr_function
+def _qh_at(type_id):
+    return BY_ID[type_id].qh
+
+
+@triton.constexpr_function
+def _qs_at(type_id):
+    return BY_ID[type_id].qs
+
 
 GROUP = tl.constexpr(32)  # weights per dequantized group (the K slice of one step)
-GEMM_TOKENS = 32         # tokens per row from which _gemm_kernel runs (ops.blocks_cpp.GEMM_ROWS, the CPU's)
+GEMM_TOKENS = 32         # tokens per row from which _gemm_kernel runs (ops.product.GEMM_MIN_TOKENS_PER_ROW, the CPU's)
 GEMV_BLOCK_R = 8         # _gemv_kernel's row tile: R rounded up to a power of two, at most this (1, 2, 4, 8)
 GEMV_BLOCK_N = 32        # weight rows per _gemv_kernel program (8 weights of a group per thread) ...
 GEMV_TILE = 128          # ... with BLOCK_R * BLOCK_N at most this (BLOCK_R 8: 16 rows): 80-150 registers
 SPLIT_BLOCK_N = 32       # the weight rows per program at which the split of K is counted: fixed, so that the
                          # split (which decides a row's sums) never follows the tiles (which do not)
 GEMM_BLOCK_N = 64        # weight rows per _gemm_kernel program
-GEMM_ROWS = (64,)        # _gemm_kernel's BLOCK_R (its dot's M): one size, so that a row's dot never changes shape
+GEMM_BLOCK_R = 64        # _gemm_kernel's BLOCK_R (its dot's M): one size, so that a row's dot never changes shape
 TARGET_PROGRAMS = 512    # programs a product aims for by splitting K (about 4 per SM of an H200)
 MIN_SPLIT_GROUPS = 8     # groups (256 weights) per split at least
 COMBINE_BLOCK = 1024     # output columns per _combine_kernel program
@@ -149,14 +181,14 @@ def _byte_at(p, mask):
 
 
 @triton.jit
-def _scale_min_k4(block, s, mask):
+def _scale_min_k4(fields, s, mask):
     """Q4_K and Q5_K: sub-block s's 6-bit scale and min (float32 [BLOCK_N]) from the 12 bytes at
-    block + 4: bytes 0-3 hold the low 6 bits of scales 0-3 (their top 2 bits: those of scales 4-7),
+    `fields` (pointers [BLOCK_N]): bytes 0-3 hold the low 6 bits of scales 0-3 (their top 2 bits: those of scales 4-7),
     bytes 4-7 the mins' likewise, bytes 8-11 the low 4 bits of scales 4-7 and (high nibble) mins 4-7."""
     i = s % 4
-    d = _byte_at(block + 4 + i, mask)
-    m = _byte_at(block + 8 + i, mask)
-    m_d = _byte_at(block + 12 + i, mask)
+    d = _byte_at(fields + i, mask)
+    m = _byte_at(fields + 4 + i, mask)
+    m_d = _byte_at(fields + 8 + i, mask)
     sc = tl.where(s < 4, d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30))
     mn = tl.where(s < 4, m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30))
     return sc.to(tl.float32), mn.to(tl.float32)
@@ -183,69 +215,54 @@ def _dequant(w_ptr, row_at, row_ok, k0, K, TYPE: tl.constexpr, EXACT: tl.constex
         bits = tl.load(rows[:, None] + (k0 + j)[None, :], mask=ok, other=0).to(tl.int32)
         w = (bits << 16).to(tl.float32, bitcast=True)
     elif TYPE == Q8_0:  # d, 32 int8: q * d
-        block = rows + g * 34
-        d = _f16_at(block, row_ok)
-        q = tl.load(block[:, None] + 2 + j[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
+        block = rows + g * _block_bytes(TYPE)
+        d = _f16_at(block + _d_at(TYPE), row_ok)
+        q = tl.load(block[:, None] + _qs_at(TYPE) + j[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
         w = q.to(tl.float32) * d[:, None]
     elif (TYPE == Q4_0) | (TYPE == Q4_1) | (TYPE == Q5_0) | (TYPE == Q5_1):
-        # d (Q4_1, Q5_1: then m), (Q5: 4 bytes of high bits qh, bit j for weight j), 16 bytes
-        # of nibbles: weight j < 16 the low nibble of byte j, weight 16 + j its high nibble.
-        if TYPE == Q4_0:
-            block = rows + g * 18
-            nibbles = 2
-        elif TYPE == Q4_1:
-            block = rows + g * 20
-            nibbles = 4
-        elif TYPE == Q5_0:
-            block = rows + g * 22
-            nibbles = 6
-        else:
-            block = rows + g * 24
-            nibbles = 8
-        d = _f16_at(block, row_ok)[:, None]
-        q = (_byte_at(block[:, None] + nibbles + (j % 16)[None, :], ok) >> ((j // 16) * 4)[None, :]) & 0x0F
+        # d (Q4_1, Q5_1: and m), (Q5: 4 bytes of high bits qh, bit j for weight j), 16 bytes of
+        # nibbles qs: weight j < 16 the low nibble of byte j, weight 16 + j its high nibble.
+        block = rows + g * _block_bytes(TYPE)
+        d = _f16_at(block + _d_at(TYPE), row_ok)[:, None]
+        q = (_byte_at(block[:, None] + _qs_at(TYPE) + (j % 16)[None, :], ok) >> ((j // 16) * 4)[None, :]) & 0x0F
         if (TYPE == Q5_0) | (TYPE == Q5_1):
-            high = (_byte_at(block[:, None] + (nibbles - 4) + (j // 8)[None, :], ok) >> (j % 8)[None, :]) & 1
+            high = (_byte_at(block[:, None] + _qh_at(TYPE) + (j // 8)[None, :], ok) >> (j % 8)[None, :]) & 1
             q = q | (high << 4)
         if TYPE == Q4_0:
             w = d * (q - 8).to(tl.float32)
         elif TYPE == Q5_0:
             w = d * (q - 16).to(tl.float32)
         else:  # (d * q) + m
-            w = _mul_add(d, q.to(tl.float32), _f16_at(block + 2, row_ok)[:, None], EXACT)
+            w = _mul_add(d, q.to(tl.float32), _f16_at(block + _m_at(TYPE), row_ok)[:, None], EXACT)
     elif (TYPE == Q4_K) | (TYPE == Q5_K):
-        # d, dmin, 12 bytes of sub-block scales and mins, (Q5_K: 32 bytes qh, bit s of byte j for
-        # weight j of sub-block s), 128 bytes of nibbles: sub-blocks 2c and 2c + 1 the low and
-        # high nibbles of bytes 32c .. 32c + 31. Weight: (d * scale) * q - (dmin * min).
+        # d, dmin (m), 12 bytes of sub-block scales and mins, (Q5_K: 32 bytes qh, bit s of byte j
+        # for weight j of sub-block s), 128 bytes of nibbles qs: sub-blocks 2c and 2c + 1 the low
+        # and high nibbles of bytes 32c .. 32c + 31. Weight: (d * scale) * q - (dmin * min).
         s = g % 8
-        if TYPE == Q4_K:
-            block = rows + (g // 8) * 144
-            nibbles = 16
-        else:
-            block = rows + (g // 8) * 176
-            nibbles = 48
-        sc, mn = _scale_min_k4(block, s, row_ok)
-        scale = _f16_at(block, row_ok) * sc
-        shift = _f16_at(block + 2, row_ok) * mn
-        q = (_byte_at(block[:, None] + nibbles + (s // 2) * 32 + j[None, :], ok) >> ((s % 2) * 4)) & 0x0F
+        block = rows + (g // 8) * _block_bytes(TYPE)
+        sc, mn = _scale_min_k4(block + _scales_at(TYPE), s, row_ok)
+        scale = _f16_at(block + _d_at(TYPE), row_ok) * sc
+        shift = _f16_at(block + _m_at(TYPE), row_ok) * mn
+        q = (_byte_at(block[:, None] + _qs_at(TYPE) + (s // 2) * 32 + j[None, :], ok) >> ((s % 2) * 4)) & 0x0F
         if TYPE == Q5_K:
-            q = q | (((_byte_at(block[:, None] + 16 + j[None, :], ok) >> s) & 1) << 4)
+            q = q | (((_byte_at(block[:, None] + _qh_at(TYPE) + j[None, :], ok) >> s) & 1) << 4)
         w = _mul_sub(scale[:, None], q.to(tl.float32), shift[:, None], EXACT)
     else:
         tl.static_assert(TYPE == Q6_K, "unknown weight type")
-        # 128 bytes ql, 64 bytes qh, 16 int8 scales (one per 16 weights), d. Group t = 4h + c of
-        # the block (half h, quarter c): low 4 bits from byte 64h + 32(c % 2) + j of ql (nibble
+        # 128 bytes ql (qs), 64 bytes qh, 16 int8 scales (one per 16 weights), d. Group t = 4h + c
+        # of the block (half h, quarter c): low 4 bits from byte 64h + 32(c % 2) + j of ql (nibble
         # c // 2), high 2 bits from bits 2c of byte 32h + j of qh. Weight: (d * scale) * (q - 32).
         t = g % 8
         h = t // 4
         c = t % 4
-        block = rows + (g // 8) * 210
-        low = (_byte_at(block[:, None] + 64 * h + 32 * (c % 2) + j[None, :], ok) >> ((c // 2) * 4)) & 0x0F
-        high = (_byte_at(block[:, None] + 128 + 32 * h + j[None, :], ok) >> (2 * c)) & 3
+        block = rows + (g // 8) * _block_bytes(TYPE)
+        low = (_byte_at(block[:, None] + _qs_at(TYPE) + 64 * h + 32 * (c % 2) + j[None, :], ok) >> ((c // 2) * 4)) & 0x0F
+        high = (_byte_at(block[:, None] + _qh_at(TYPE) + 32 * h + j[None, :], ok) >> (2 * c)) & 3
         q = (low | (high << 4)) - 32
-        d = _f16_at(block + 208, row_ok)
-        first = d * tl.load(block + 192 + 2 * t, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        second = d * tl.load(block + 193 + 2 * t, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        d = _f16_at(block + _d_at(TYPE), row_ok)
+        scales = block + _scales_at(TYPE) + 2 * t
+        first = d * tl.load(scales, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        second = d * tl.load(scales + 1, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         w = tl.where((j < 16)[None, :], first[:, None], second[:, None]) * q.to(tl.float32)
     return w
 
@@ -402,7 +419,7 @@ def plan(R: int, N: int, K: int, tokens_per_row: int | None = None, matrix_rows:
         splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(M, SPLIT_BLOCK_N)), groups // MIN_SPLIT_GROUPS))
         r_tiles = 1  # looped over in the program
     else:
-        kernel, block_r, warps = "gemm", GEMM_ROWS[-1], GEMM_WARPS
+        kernel, block_r, warps = "gemm", GEMM_BLOCK_R, GEMM_WARPS
         block_n, r_tiles, splits = GEMM_BLOCK_N, triton.cdiv(R, block_r), 1
     groups_per_split = triton.cdiv(groups, splits)
     splits = triton.cdiv(groups, groups_per_split)  # none empty

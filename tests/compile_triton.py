@@ -117,7 +117,7 @@ def variants():
     # inline-PTX dequantization).
     pointers = {blocks.F32.value: "*fp32", blocks.F16.value: "*fp16", blocks.BF16.value: "*i16"}
     tilings = {}
-    for R in range(1, 2 * max(blocks.GEMM_ROWS) + 2):
+    for R in range(1, 2 * blocks.GEMM_BLOCK_R + 2):
         p = blocks.plan(R, 4096, 4096)
         tilings[p["kernel"], p["BLOCK_R"]] = dict(BLOCK_R=p["BLOCK_R"], BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
     for weight_type in blocks.LAYOUT:

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from specengine import _C
 from specengine.ops.attention import cached_attention
-from specengine.ops.blocks import (BLOCK_LAYOUT, BlockMatrix, MatrixPart, WeightType, dequantize_reference,
-                                   embedding_rows, linear_blocks)
+from specengine.ops.blocks import (BLOCK_LAYOUT, FLOAT_TYPES, LAYOUTS, BlockMatrix, MatrixPart, WeightType,
+                                   dequantize_reference, embedding_rows, linear_blocks)
 from specengine.ops.blocks_cpp import dequantize_rows_cpp, gemm_blocks_cpp, matrix_descriptor
 from specengine.ops.product import GEMM_MIN_TOKENS_PER_ROW
 from specengine.ops.decoder_layer import DecoderLayerWeights, decoder_layer
@@ -25,11 +25,10 @@ from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
 ISAS = ["avx512", "avx2", "portable"]
 TYPES = list(WeightType)
-K_QUANTS = {WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K}
-FLOATS = {WeightType.F32, WeightType.F16, WeightType.BF16}
+K_QUANTS = {t for t in TYPES if BLOCK_LAYOUT[t][0] == 256}
+FLOATS = FLOAT_TYPES
 # Where each block keeps its float16 scale fields (ggml's block structs).
-SCALE_OFFSETS = {WeightType.Q8_0: (0,), WeightType.Q4_0: (0,), WeightType.Q4_1: (0, 2), WeightType.Q5_0: (0,),
-                 WeightType.Q5_1: (0, 2), WeightType.Q4_K: (0, 2), WeightType.Q5_K: (0, 2), WeightType.Q6_K: (208,)}
+SCALE_OFFSETS = {t: LAYOUTS[t].half_fields for t in TYPES if t not in FLOATS}
 
 
 def finite_halves(rng, shape) -> np.ndarray:

@@ -28,7 +28,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from specengine.kernels import blocks as kernels  # noqa: E402
-from specengine.ops.blocks import (BLOCK_LAYOUT, FLOAT_TYPES, BlockMatrix, MatrixPart, WeightType,  # noqa: E402
+from specengine.ops.blocks import (BLOCK_LAYOUT, FLOAT_TYPES, LAYOUTS, BlockMatrix, MatrixPart, WeightType,  # noqa: E402
                                    dequantize_reference, embedding_rows, linear_blocks)
 
 from bounds import assert_within_product_bound  # noqa: E402
@@ -36,9 +36,8 @@ from bounds import assert_within_product_bound  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T = WeightType
 TYPES = list(WeightType)
-# The float16 fields of each block format: (offset in the block, count), gguf's layouts.
-HALF_FIELDS = {T.Q4_0: (0, 1), T.Q4_1: (0, 2), T.Q5_0: (0, 1), T.Q5_1: (0, 2), T.Q8_0: (0, 1), T.Q4_K: (0, 2),
-               T.Q5_K: (0, 2), T.Q6_K: (208, 1)}
+# Each block type's float16 scale fields: (offset of the first, how many side by side).
+HALF_FIELDS = {t: (LAYOUTS[t].half_fields[0], len(LAYOUTS[t].half_fields)) for t in TYPES if t not in FLOAT_TYPES}
 
 
 def hostile_floats(n: int, g: torch.Generator) -> torch.Tensor:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.weight_types import WEIGHT_TYPES
+
 EOS_TOKEN = "<|endoftext|>"
 
 _CONFIG_CLASSES = {
@@ -143,8 +145,10 @@ def save_random_t5_checkpoint(folder: str | Path, config, tokenizer=None, seed: 
 
 
 # Where each K-quant block keeps its float16 scales (ggml's block_q*_K structs): the gguf package
-# cannot quantize to these types, so their blocks are random codes under sane scales.
-K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# cannot quantize to these types, so their blocks are random codes under sane scales. Those run as
+# stored from the weight-type table; Q2_K and Q3_K, which run dequantized to float32, here.
+K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,),
+                   **{t.name: t.half_fields for t in WEIGHT_TYPES if t.name.endswith("_K")}}
 
 
 def random_k_blocks(weight_type: str, rows: int, cols: int, rng, low: float, high: float):

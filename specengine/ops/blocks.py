@@ -33,31 +33,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
-class WeightType(enum.IntEnum):
-    """ggml's type ids (gguf.GGMLQuantizationType) of the weight types run as stored."""
-
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    BF16 = 30
+from ..kernels.weight_types import WEIGHT_TYPES, WeightTypeLayout
 
 
-# weight type -> (weights per block, bytes per block): ggml's layouts (gguf.GGML_QUANT_SIZES).
-BLOCK_LAYOUT: dict[WeightType, tuple[int, int]] = {
-    WeightType.F32: (1, 4), WeightType.F16: (1, 2), WeightType.BF16: (1, 2),
-    WeightType.Q8_0: (32, 34), WeightType.Q4_0: (32, 18), WeightType.Q4_1: (32, 20),
-    WeightType.Q5_0: (32, 22), WeightType.Q5_1: (32, 24),
-    WeightType.Q4_K: (256, 144), WeightType.Q5_K: (256, 176), WeightType.Q6_K: (256, 210),
-}
-FLOAT_TYPES = frozenset({WeightType.F32, WeightType.F16, WeightType.BF16})
+# ggml's type ids (gguf.GGMLQuantizationType) of the weight types run as stored, named as ggml
+# names them; their layouts are kernels/weight_types.py's table (LAYOUTS).
+WeightType = enum.IntEnum("WeightType", [(t.name, t.type_id) for t in WEIGHT_TYPES], module=__name__)
+LAYOUTS: dict[WeightType, WeightTypeLayout] = {WeightType(t.type_id): t for t in WEIGHT_TYPES}
+# weight type -> (weights per block, bytes per block)
+BLOCK_LAYOUT: dict[WeightType, tuple[int, int]] = {t: (lay.block_size, lay.block_bytes) for t, lay in LAYOUTS.items()}
+FLOAT_TYPES = frozenset(t for t, lay in LAYOUTS.items() if lay.is_float)
 IMPLEMENTATIONS = ("cpp", "triton", "reference")
 
 
@@ -194,47 +179,45 @@ def _dequantize_blocks(weight_type: WeightType, b: torch.Tensor) -> torch.Tensor
     """Blocks [n, block_bytes] uint8 -> their weights [n, block_size] float32."""
     n = b.shape[0]
     T = WeightType
+    lay = LAYOUTS[weight_type]
     if weight_type == T.F32:
         return b.contiguous().view(torch.float32).reshape(n, 1)
     if weight_type == T.F16:
         return _f16(b).reshape(n, 1)
     if weight_type == T.BF16:
         return b.contiguous().view(torch.bfloat16).float().reshape(n, 1)
+    d = _f16(b[:, lay.d:lay.d + 2])[:, None]
     if weight_type == T.Q8_0:
-        d = _f16(b[:, :2])[:, None]
-        return b[:, 2:].contiguous().view(torch.int8).float() * d
+        return b[:, lay.qs:lay.qs + 32].contiguous().view(torch.int8).float() * d
     if weight_type in (T.Q4_0, T.Q4_1):
-        d = _f16(b[:, :2])[:, None]
         if weight_type == T.Q4_0:
-            q = _nibbles(b[:, 2:], 16).reshape(n, 32).to(torch.int8) - 8
+            q = _nibbles(b[:, lay.qs:lay.qs + 16], 16).reshape(n, 32).to(torch.int8) - 8
             return d * q.float()
-        m = _f16(b[:, 2:4])[:, None]
-        return d * _nibbles(b[:, 4:], 16).reshape(n, 32).float() + m
+        m = _f16(b[:, lay.m:lay.m + 2])[:, None]
+        return d * _nibbles(b[:, lay.qs:lay.qs + 16], 16).reshape(n, 32).float() + m
     if weight_type in (T.Q5_0, T.Q5_1):
-        d = _f16(b[:, :2])[:, None]
-        offset = 2 if weight_type == T.Q5_0 else 4
         # A fresh copy: a view of one block is "contiguous" at an odd offset, which int32 cannot view.
-        qh = b[:, offset:offset + 4].clone(memory_format=torch.contiguous_format).view(torch.int32).reshape(n, 1)
+        qh = b[:, lay.qh:lay.qh + 4].clone(memory_format=torch.contiguous_format).view(torch.int32).reshape(n, 1)
         high = (qh >> torch.arange(32, dtype=torch.int32, device=b.device)) & 1
-        q = _nibbles(b[:, offset + 4:], 16).reshape(n, 32).to(torch.int32) | (high << 4)
+        q = _nibbles(b[:, lay.qs:lay.qs + 16], 16).reshape(n, 32).to(torch.int32) | (high << 4)
         if weight_type == T.Q5_0:
             return d * (q - 16).float()
-        return d * q.float() + _f16(b[:, 2:4])[:, None]
+        return d * q.float() + _f16(b[:, lay.m:lay.m + 2])[:, None]
     if weight_type in (T.Q4_K, T.Q5_K):
-        d, dmin = _f16(b[:, :2])[:, None], _f16(b[:, 2:4])[:, None]
-        sc, mins = _scale_min_k4(b[:, 4:16])
+        dmin = _f16(b[:, lay.m:lay.m + 2])[:, None]
+        sc, mins = _scale_min_k4(b[:, lay.scales:lay.scales + 12])
         scale, shift = (d * sc)[:, :, None], (dmin * mins)[:, :, None]  # [n, 8, 1]
         if weight_type == T.Q4_K:
-            q = _nibbles(b[:, 16:], 32).reshape(n, 8, 32).float()
+            q = _nibbles(b[:, lay.qs:lay.qs + 128], 32).reshape(n, 8, 32).float()
         else:
-            low = _nibbles(b[:, 48:], 32).reshape(n, 8, 32).to(torch.int32)
-            qh = b[:, 16:48].to(torch.int32).reshape(n, 1, 32)
+            low = _nibbles(b[:, lay.qs:lay.qs + 128], 32).reshape(n, 8, 32).to(torch.int32)
+            qh = b[:, lay.qh:lay.qh + 32].to(torch.int32).reshape(n, 1, 32)
             high = (qh >> torch.arange(8, dtype=torch.int32, device=b.device).view(1, 8, 1)) & 1
             q = (low | (high << 4)).float()
         return (scale * q - shift).reshape(n, 256)
     if weight_type == T.Q6_K:
-        ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]
-        scale = (_f16(d)[:, None] * scales.contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+        ql, qh, scales = b[:, lay.qs:lay.qs + 128], b[:, lay.qh:lay.qh + 64], b[:, lay.scales:lay.scales + 16]
+        scale = (d * scales.contiguous().view(torch.int8).float()).reshape(n, 16, 1)
         low = _nibbles(ql, 64).reshape(n, 8, 32).to(torch.int32)
         qh = qh.reshape(n, 2, 1, 32).to(torch.int32)
         high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=b.device).view(1, 1, 4, 1)) & 3)
