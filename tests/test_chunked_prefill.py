@@ -56,7 +56,7 @@ def prefilled_rows(model, prompts: list[list[int]], budget: int | None,
     batch, steps = scheduler.batch, 0
     with torch.inference_mode():
         scheduler.stage([request(p, str(i)) for i, p in enumerate(prompts)])
-        while batch.joining:
+        while batch.prefilling:
             scheduler.prefill(PrefillShare(budget, layers))
             steps += 1
     chunks = 1 if budget is None else -(-sum(len(p) - 1 for p in prompts) // budget)
@@ -98,14 +98,14 @@ def test_outputs_equal_unchunked_prefill_with_prompts_joining_running_rows(model
     want = [unchunked.generate([p], s)[0].token_ids for p, s in REQUESTS]
     engine = make_engine(models, drafter, prefill_chunk_tokens=64, **kwargs)
     assert [r.token_ids for r in engine.generate([p for p, _ in REQUESTS], [s for _, s in REQUESTS])] == want
-    # Joining one at a time while the others decode: every running row gains tokens every step.
+    # Prefilling one at a time while the others decode: every running row gains tokens every step.
     outputs, step = {}, 0
     pending = list(enumerate(REQUESTS))
     while engine.has_unfinished_requests() or pending:
         if pending and step % 3 == 0:
             i, (p, s) = pending.pop(0)
             engine.add_request(p, s, f"r{i}")
-        decoding = {r.request_id for r in engine.scheduler.running}
+        decoding = {r.request_id for r in engine.scheduler.decoding}
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             assert out.new_token_ids or out.request_id not in decoding
@@ -125,11 +125,11 @@ def test_a_long_prompt_joins_a_chunk_a_step_and_running_rows_keep_their_pace(mod
         outs = {o.request_id: o for o in engine.step()}
         steps_to_join += 1
         assert outs[runner].new_token_ids  # a round every step
-        calls = engine.scheduler.batch.joining[0].request.stats.target_calls if engine.num_prefilling else None
+        calls = engine.scheduler.batch.prefilling[0].request.stats.target_calls if engine.num_prefilling else None
         assert calls in (None, steps_to_join)
     assert steps_to_join == 5  # 299 tokens: 64 a step
-    assert joiner in {r.request_id for r in engine.scheduler.running}
-    assert engine.scheduler.running[-1].stats.target_calls == 6  # five chunks, one round
+    assert joiner in {r.request_id for r in engine.scheduler.decoding}
+    assert engine.scheduler.decoding[-1].stats.target_calls == 6  # five chunks, one round
 
 
 class OneLayerAStep(PrefillBudget):
@@ -170,7 +170,7 @@ def test_chunks_run_a_few_layers_a_step_with_the_tokens_of_an_unchunked_prefill(
         if step == 6:
             ids.append(engine.add_request(specs[3][0], specs[3][1], "later"))
         pending_seen += engine.scheduler.batch.pending is not None
-        decoding = {r.request_id for r in engine.scheduler.running}
+        decoding = {r.request_id for r in engine.scheduler.decoding}
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             assert out.new_token_ids or out.request_id not in decoding or out.finished
@@ -244,7 +244,7 @@ def test_the_auto_budget_follows_the_measured_times():
     assert budget.next(decoding=True) == PrefillShare(32)     # nothing measured yet: the least chunk
     budget.observe_prefill(256, 1.0, 0.256)     # 1 ms a token
     budget.observe_round(0.150)
-    assert budget.next(decoding=True) == PrefillShare(160)    # about a round's time, in multiples of 32
+    assert budget.next(decoding=True) == PrefillShare(64)     # half a round's time (75 ms), in multiples of 32
     for _ in range(20):                         # smoothed: rounds of 10 ms for a while
         budget.observe_round(0.010)
     assert budget.next(decoding=True) == PrefillShare(32)     # at least 32
@@ -257,10 +257,10 @@ def test_the_auto_budget_spreads_a_chunk_longer_than_a_round_over_layers():
     assert budget.next(decoding=False) == PrefillShare(None)      # nobody waits: whole prompts, all layers
     assert budget.next(decoding=True) == PrefillShare(32, 8)      # nothing measured: a quarter of the layers
     budget.observe_prefill(32, 8 / 30, 0.016)   # 8 of 30 layers of 32 tokens in 16 ms: 60 ms a chunk
-    budget.observe_round(0.020)
-    assert budget.next(decoding=True) == PrefillShare(32, 10)     # a third of a chunk's time: a third of its layers
-    budget.observe_prefill(32, 10 / 30, 0.040)  # slower (further into the prompt): counts at once
-    assert budget.next(decoding=True) == PrefillShare(32, 5)
+    budget.observe_round(0.036)
+    assert budget.next(decoding=True) == PrefillShare(32, 9)      # half a round, 18 ms: 9 of the 30 layers
+    budget.observe_prefill(32, 8 / 30, 0.040)   # slower (further into the prompt, 150 ms a chunk): counts at once
+    assert budget.next(decoding=True) == PrefillShare(32, 4)      # 18 of 150 ms: 3.6 layers
     for _ in range(20):
         budget.observe_round(0.500)              # rounds far longer than a chunk: whole chunks again
     assert budget.next(decoding=True).layers is None

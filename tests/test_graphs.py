@@ -211,7 +211,7 @@ def test_the_drafters_host_lengths_follow_verification_through_rounds_without_dr
     while engine.has_unfinished_requests():
         engine.step()
         drafter = engine.drafter
-        if engine.scheduler.running:
+        if engine.scheduler.decoding:
             rows = len(drafter.fed)
             held = drafter.cache.lengths[:rows].tolist()
             assert all(fed <= n for fed, n in zip(drafter.fed, held)), (drafter.fed, held)

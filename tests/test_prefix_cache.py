@@ -98,7 +98,7 @@ def test_the_entries_a_request_gets_are_its_own_prefills_bit_for_bit(models):
             engine.step()
         engine.scheduler.waiting.clear()
         n = len(prompt) - 1
-        (target_row,) = [i for i, r in enumerate(engine.scheduler.running) if r.request_id == "x"]
+        (target_row,) = [i for i, r in enumerate(engine.scheduler.decoding) if r.request_id == "x"]
         entries = [(c.k[:, target_row, :n].clone(), c.v[:, target_row, :n].clone())
                    for c in (engine.scheduler.batch.cache, engine.drafter.cache)]
         engine.abort("x")

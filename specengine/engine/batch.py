@@ -1,8 +1,8 @@
 """The requests holding rows and what runs the models over them: those decoding (one row each in
-the target's cache and the draft model's, in order) and, after them, those joining, whose
-prompts are being prefilled.
+the target's cache and the draft model's, in order) and, after them, those whose prompts are
+being prefilled (Prefilling: a request in a staged row of each cache).
 
-A joining request gets a staged row in each cache (layers.kv_cache) when it is admitted (stage):
+A request gets a staged row in each cache (layers.kv_cache) when it is admitted (stage):
 the prompt's longest prefix of blocks found in the prefix cache is copied into it. Each step
 then prefills the chunks the scheduler chose (engine.scheduler), the draft model in the same
 chunks; a request whose prefill is done joins the rows in use, and the next round decodes it. A
@@ -10,7 +10,7 @@ chunk that costs more than a round may run its target forward a few layers a ste
 (engine.prefill_budget): it is then pending until its last layer has run, and no other chunk
 starts meanwhile. A row's cache holds its sequence but the last token, which the next round
 feeds. Requests leave when they finish or are aborted (keep: the other rows move to the front;
-drop_joining for requests still joining).
+drop_prefilling for requests still being prefilled).
 
 With an encoder-decoder target (T5) the prefill is the encoders' pass over the prompt, which
 attends both ways and so cannot be cut by tokens: it is cut by encoder blocks instead, the
@@ -32,7 +32,7 @@ from .request import Request
 
 
 @dataclass(eq=False)
-class Joining:
+class Prefilling:
     """A request in a staged row: its prompt being prefilled."""
     request: Request
     prefill: list[int]          # what its rows are to hold: the sequence's start but its last token
@@ -52,7 +52,7 @@ class PendingChunks:
     """A step's chunks whose target forward runs a few layers a step (PrefillCall.run). Their
     staged rows keep their places meanwhile: the rows before them are requests whose chunks came
     first, which cannot finish while these are pending, and a row dropped forgets them."""
-    work: list[tuple[Joining, int]]   # the requests and their chunks' tokens
+    work: list[tuple[Prefilling, int]]   # the requests and their chunks' tokens
     calls: list[PrefillCall]          # the target's forwards over them
 
 
@@ -72,7 +72,7 @@ class RunningBatch:
         self.target, self.drafter, self.max_seq_len = target, drafter, max_seq_len
         self.prefix_cache = prefix_cache
         self.requests: list[Request] = []    # decoding, by row
-        self.joining: list[Joining] = []     # prefilling, by staged row
+        self.prefilling: list[Prefilling] = []     # prefilling, by staged row
         self.cache: StaticKVCache | None = target_steps.new_batch(0) if target_steps is not None else None
         self.draft_cache: StaticKVCache | None = None  # the drafter's staged_cache, once rows were staged
         self.sampling: SamplingBatch | None = None  # the rows' sampling parameters, None without rows
@@ -83,7 +83,7 @@ class RunningBatch:
 
     @property
     def rows_held(self) -> int:
-        return len(self.requests) + len(self.joining)
+        return len(self.requests) + len(self.prefilling)
 
     def _models(self) -> list[tuple[object, StaticKVCache]]:
         """The models whose caches hold staged rows, with those caches: the target, the draft model."""
@@ -92,7 +92,7 @@ class RunningBatch:
             pairs.append((self.drafter.model, self.draft_cache))
         return pairs
 
-    # ---- joining: staged rows, prefilled a chunk a step -----------------------------------------
+    # ---- prefilling: staged rows, prefilled a chunk a step -----------------------------------------
 
     def stage(self, requests: list[Request]):
         """Give each request a staged row in every cache, holding what the prefix cache has of its prompt."""
@@ -117,25 +117,25 @@ class RunningBatch:
         # chunks of similar length share prefill calls (row order does not matter: seeded rows
         # sample alike anywhere).
         requests = sorted(requests, key=lambda r: len(r.prompt_token_ids))
-        joining = [Joining(r, r.sequence_start[:-1]) for r in requests]
+        admitted = [Prefilling(r, r.sequence_start[:-1]) for r in requests]
         for model, cache in self._models():
             cache.stage_rows(len(requests))
-        self.joining += joining
-        for j in joining:
+        self.prefilling += admitted
+        for j in admitted:
             if encoder_decoder:
                 j.encoders = [model.start_encoding([j.request.source]) for model, _ in self._models()]
                 j.encoded = False
             elif self.prefix_cache is not None:
                 self._from_prefix_cache(j)
 
-    def _from_prefix_cache(self, j: Joining):
+    def _from_prefix_cache(self, j: Prefilling):
         j.keys = block_keys(j.prefill)
         if j.request.prompt_logprobs is not None:
             return  # its prompt is scored from its prefill's hidden states: prefilled whole (and cached)
         blocks = self.prefix_cache.match(j.keys, j.prefill)
         if not blocks:
             return
-        staged = self.joining.index(j)
+        staged = self.prefilling.index(j)
         for c, (_, cache) in enumerate(self._models()):
             row = cache.staged_view(staged, 1)
             for i, block in enumerate(blocks):
@@ -147,7 +147,7 @@ class RunningBatch:
         for _, cache in self._models():  # what the rows hold (layers.kv_cache's entries_end_at_lengths)
             cache.staged_view(staged, 1).lengths.fill_(j.done)
 
-    def prefill(self, chunks: list[tuple[Joining, int]], layers: int | None = None) -> PrefillStep:
+    def prefill(self, chunks: list[tuple[Prefilling, int]], layers: int | None = None) -> PrefillStep:
         """Prefill these chunks (a request and its chunk's tokens: the scheduler's choice), running
         `layers` of their target layers (None: all; the chunks left pending by an earlier step
         must be given again until their last layer has run); requests whose prefill is then done
@@ -156,15 +156,15 @@ class RunningBatch:
             tokens, share = self._encode(chunks), 1.0
         else:
             tokens, share = self._feed(chunks, layers)
-        finished = [i for i, j in enumerate(self.joining) if j.finished]
+        finished = [i for i, j in enumerate(self.prefilling) if j.finished]
         if not finished:
             return PrefillStep([], tokens, share)
-        joined = [self.joining[i] for i in finished]
+        joined = [self.prefilling[i] for i in finished]
         for _, cache in self._models():  # their lengths as prefilled (see prefill_chunks)
             for i, j in zip(finished, joined):
                 cache.staged_view(i, 1).lengths.fill_(len(j.prefill))
             cache.promote(finished)
-        self.joining = [j for j in self.joining if not j.finished]
+        self.prefilling = [j for j in self.prefilling if not j.finished]
         requests = [j.request for j in joined]
         if self.drafter is not None:
             sources = [r.source for r in requests] if self.target.is_encoder_decoder else None
@@ -173,14 +173,14 @@ class RunningBatch:
         self._sampling()
         return PrefillStep(requests, tokens, share)
 
-    def _feed(self, chunks: list[tuple[Joining, int]], layers: int | None) -> tuple[int, float]:
+    def _feed(self, chunks: list[tuple[Prefilling, int]], layers: int | None) -> tuple[int, float]:
         """Decoder-only prompts' chunks; returns their tokens and the share of their target
         layers run. A chunk's forward starts with the draft model's whole (a fraction of the
         target's cost) and runs `layers` of the target's layers a step."""
         if not chunks:
             return 0, 1.0
         if self.pending is None:
-            staged = [self.joining.index(j) for j, _ in chunks]
+            staged = [self.prefilling.index(j) for j, _ in chunks]
             done = [j.done for j, _ in chunks]
             tokens = [j.prefill[j.done:j.done + n] for j, n in chunks]
             whole = [len(j.prefill) for j, _ in chunks]
@@ -208,10 +208,10 @@ class RunningBatch:
             j.done += n
         if self.prefix_cache is not None:
             for j, _ in pending.work:
-                self._to_prefix_cache(self.joining.index(j), j)
+                self._to_prefix_cache(self.prefilling.index(j), j)
         return tokens, share
 
-    def _to_prefix_cache(self, staged: int, j: Joining):
+    def _to_prefix_cache(self, staged: int, j: Prefilling):
         """Give the prefix cache the blocks of j's prompt that its prefill has now completed."""
         full = j.done // BLOCK
         if full <= j.stored:
@@ -225,14 +225,14 @@ class RunningBatch:
         self.prefix_cache.store(j.keys, j.prefill, j.stored, kv)
         j.stored = full
 
-    def _encode(self, chunks: list[tuple[Joining, int]]) -> int:
+    def _encode(self, chunks: list[tuple[Prefilling, int]]) -> int:
         """Encoder-decoder prompts: for each request, `blocks` of the target's encoder blocks (the
         draft's encoder keeping pace); a pass done writes its cross-attention entries into the
         request's staged rows. Returns the budget's tokens spent (a block over S tokens counts as
         S / blocks)."""
         spent = 0
         for j, blocks in chunks:
-            i = self.joining.index(j)
+            i = self.prefilling.index(j)
             run, total = j.encoders[0], len(self.target.encoder)
             self.target.encode_blocks(run, blocks)
             if len(j.encoders) > 1:  # the draft's encoder keeps pace
@@ -247,19 +247,19 @@ class RunningBatch:
                 j.request.stats.target_calls += 1
         return spent
 
-    def drop_joining(self, leaving: list[Joining]):
-        """Forget the staged rows of these joining requests (aborted, or their prefill failed)."""
-        staged = [i for i, j in enumerate(self.joining) if j in leaving]
+    def drop_prefilling(self, leaving: list[Prefilling]):
+        """Forget the staged rows of these requests being prefilled (aborted, or their prefill failed)."""
+        staged = [i for i, j in enumerate(self.prefilling) if j in leaving]
         if not staged:
             return
-        self.joining = [j for j in self.joining if j not in leaving]
+        self.prefilling = [j for j in self.prefilling if j not in leaving]
         self.pending = None  # the rows it was for moved: those left start their chunks again
         for _, cache in self._models():
             cache.drop_staged(staged)
 
-    def drop_all_joining(self):
+    def drop_all_prefilling(self):
         """Forget every staged row (after a failed prefill: nothing on the device is touched)."""
-        self.joining, self.pending = [], None
+        self.prefilling, self.pending = [], None
         for _, cache in self._models():
             cache.staged = 0
 
@@ -295,7 +295,7 @@ class RunningBatch:
 
     def clear(self):
         """Drop every row, staged ones too, whatever state the caches are in (after a failure)."""
-        self.requests, self.joining, self.pending = [], [], None
+        self.requests, self.prefilling, self.pending = [], [], None
         for _, cache in self._models():
             cache.clear()
         if self.drafter is not None:

@@ -223,7 +223,7 @@ class Engine:
         return request.request_id
 
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests to free rows, prefill a chunk of the prompts joining (a request
+        """Admit waiting requests to free rows, prefill a chunk of the prompts being prefilled (a request
         whose prefill is done joins the running ones), run the rounds of every running request up
         to the next read (one, or up to rounds_per_read), and report each: the tokens it gained, the
         text they complete, whether it finished. Also reports requests that ended outside a step
@@ -237,7 +237,7 @@ class Engine:
         scheduler = self.scheduler
         outputs = [self.outputs.output(r) for r in scheduler.take_ended()]
         joined = self._admit()
-        if not scheduler.running:
+        if not scheduler.decoding:
             return outputs
         try:
             failure = self._run_round(joined)
@@ -250,30 +250,30 @@ class Engine:
             scheduler.release(report=True)
             raise failure
         if report:
-            outputs += [self.outputs.output(r) for r in scheduler.running]
+            outputs += [self.outputs.output(r) for r in scheduler.decoding]
         scheduler.release()
         return outputs
 
     def _admit(self) -> bool:
         """Move waiting requests into free rows (with what the prefix cache holds of their prompts)
-        and prefill the joining prompts up to the step's budget, the target and the draft model in
+        and prefill the prompts being prefilled up to the step's budget, the target and the draft model in
         the same chunks; whether any request joined the running ones."""
         scheduler = self.scheduler
-        joining = scheduler.next_joining()
-        if not joining and not scheduler.batch.joining:
+        admitted = scheduler.admissions()
+        if not admitted and not scheduler.batch.prefilling:
             return False
         controller = self.gamma_controller
         if controller is not None:
-            rows = scheduler.batch.rows_held + len(joining)
+            rows = scheduler.batch.rows_held + len(admitted)
             # Costs not measured yet for batches this large are measured now, not in a round,
             # whose timing would teach the controller a measurement as its overhead.
             controller.costs_by_batch.cover(rows)
-            for r in joining:
+            for r in admitted:
                 r.acceptance = controller.new_estimate(rows, greedy=r.params.temperature == 0)
-        share = self.prefill_budget.next(decoding=bool(scheduler.running))
+        share = self.prefill_budget.next(decoding=bool(scheduler.decoding))
         with self.phases("prefill"):
-            if joining:
-                scheduler.stage(joining)
+            if admitted:
+                scheduler.stage(admitted)
             start = time.perf_counter()
             done = scheduler.prefill(share)
         self.prefill_budget.observe_prefill(done.tokens, done.share, time.perf_counter() - start)
@@ -284,7 +284,7 @@ class Engine:
         each. A row whose logits broke (NaN, +inf) ends alone, keeping nothing of them: the error
         is returned, to raise once the others' tokens are kept (rows are independent)."""
         round_start = time.perf_counter()
-        active = self.scheduler.running
+        active = self.scheduler.decoding
         controller = self.gamma_controller
         gamma = self._round_gamma(active)
         results, gamma = self.round_runner.run(self.scheduler.batch, gamma)
@@ -351,7 +351,7 @@ class Engine:
     @property
     def num_prefilling(self) -> int:
         """Requests holding a row whose prompt is still being prefilled (a chunk a step)."""
-        return len(self.scheduler.batch.joining)
+        return len(self.scheduler.batch.prefilling)
 
     @property
     def cache_rows_in_use(self) -> int:

@@ -7,10 +7,10 @@ prompt. The budget is the tokens of all of a step's chunks:
   an int   that many tokens a step, a multiple of CHUNK (chunks end on its multiples);
   None     no limit: every joining prompt is prefilled whole in its first step;
   "auto"   no limit while nothing decodes (nobody waits); while rows decode, what the prefill runs
-           in about the time of a round: a decoding row's step then takes about twice its round,
-           and a prompt joins at about half the machine's prefill speed. That is a multiple of
-           CHUNK tokens while a chunk takes less than a round; when one chunk takes longer, the
-           chunk's target forward is spread over steps, a share of its layers a step
+           in about half a round's time (ROUND_SHARE): a decoding row's step then takes about
+           1.5 of its rounds, and a prompt joins at about a third of the machine's prefill speed. That is a multiple of CHUNK tokens while a chunk takes less than that;
+           when one chunk takes longer, the chunk's target forward is spread over steps, a share
+           of its layers a step
            (models.llama.forward_layers), so that no step waits for a whole chunk. Both times are
            measured as they run, so the budget follows the device, the models and the batch. With
            a split target every rank takes rank 0's budget (the ranks' calls must match).
@@ -45,6 +45,11 @@ class PrefillShare:
 class PrefillBudget:
     # Smoothing of the measured times (the weight of the newest).
     WEIGHT = 0.3
+    # What a step's prefill may take, in rounds: a running row's step then takes about 1.5 of its
+    # rounds. Well under one round, so that a step that runs slower than measured (the last chunk
+    # of a prompt, whose row then joins the round; a busy machine) stays within 3 rounds
+    # (bench/bench_join_stall.py: at 1 and at 0.75, steps of 3-3.8 rounds in 1 and 3 runs of 10).
+    ROUND_SHARE = 0.5
 
     def __init__(self, setting: int | str | None, tp=None, layers: int | None = None):
         """layers: the target's decoder layers, when a chunk's forward can be spread over steps
@@ -63,7 +68,8 @@ class PrefillBudget:
         if decoding:
             tokens = CHUNK
             if self.prefill_s_per_token is not None and self.round_s is not None:
-                chunks = self.round_s / (self.prefill_s_per_token * CHUNK)  # a round's time, in chunks
+                # the time a step's prefill may take, in chunks
+                chunks = self.ROUND_SHARE * self.round_s / (self.prefill_s_per_token * CHUNK)
                 if chunks >= 1 or self.layers is None:
                     tokens = max(1, round(chunks)) * CHUNK
                 else:

@@ -17,7 +17,7 @@ import math
 import time
 from collections import deque
 
-from .batch import Joining, PrefillStep, RunningBatch
+from .batch import Prefilling, PrefillStep, RunningBatch
 from .prefill_budget import CHUNK, PrefillShare
 from .request import Request
 
@@ -33,7 +33,7 @@ class Scheduler:
         self.ended: list[Request] = []  # ended outside a step's report: the next step reports them
 
     @property
-    def running(self) -> list[Request]:
+    def decoding(self) -> list[Request]:
         return self.batch.requests
 
     def add(self, requests: list[Request]):
@@ -46,22 +46,22 @@ class Scheduler:
     @property
     def prefilling(self) -> list[Request]:
         """Requests holding a row whose prompt is still being prefilled, oldest first."""
-        return [j.request for j in self.batch.joining]
+        return [j.request for j in self.batch.prefilling]
 
-    def next_joining(self) -> list[Request]:
+    def admissions(self) -> list[Request]:
         """Waiting requests that get a row now, first come first served (taken off the queue)."""
         held = self.batch.rows_held
         free = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - held
         return [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
 
-    def stage(self, joining: list[Request]):
-        """Give the joining requests rows, holding what the prefix cache has of their prompts."""
+    def stage(self, admitted: list[Request]):
+        """Give requests admitted now rows, holding what the prefix cache has of their prompts."""
         try:
-            self.batch.stage(joining)
+            self.batch.stage(admitted)
         except BaseException as exc:
-            for r in joining:  # those not staged yet
+            for r in admitted:  # those not staged yet
                 self.end(r, f"aborted: its prefill failed ({type(exc).__name__}: {exc})")
-            self._end_joining(exc)
+            self._end_prefilling(exc)
             raise
 
     def prefill(self, share: PrefillShare) -> PrefillStep:
@@ -73,17 +73,17 @@ class Scheduler:
         try:
             return self.batch.prefill(chunks, share.layers)
         except BaseException as exc:
-            self._end_joining(exc)
+            self._end_prefilling(exc)
             raise
 
-    def _chunks(self, budget: int | None) -> list[tuple[Joining, int]]:
+    def _chunks(self, budget: int | None) -> list[tuple[Prefilling, int]]:
         """The step's chunks within `budget` prompt tokens (None: no limit), the oldest request
         first: a decoder-only prompt's tokens, each chunk ending at a multiple of CHUNK tokens or
         at the prompt's end; an encoder-decoder's encoder blocks, a block over S tokens counting
         as S / blocks tokens (at least one block a step)."""
-        chunks: list[tuple[Joining, int]] = []
+        chunks: list[tuple[Prefilling, int]] = []
         left = budget
-        for j in self.batch.joining:
+        for j in self.batch.prefilling:
             if self.batch.target.is_encoder_decoder:
                 if j.encoded:
                     continue
@@ -111,10 +111,10 @@ class Scheduler:
                     break
         return chunks
 
-    def _end_joining(self, exc: BaseException):
-        for j in self.batch.joining:
+    def _end_prefilling(self, exc: BaseException):
+        for j in self.batch.prefilling:
             self.end(j.request, f"aborted: its prefill failed ({type(exc).__name__}: {exc})")
-        self.batch.drop_all_joining()
+        self.batch.drop_all_prefilling()
 
     def abort(self, request_id: str) -> bool:
         """End a request now, whatever its state, and free its row. False when none has this id."""
@@ -131,13 +131,13 @@ class Scheduler:
 
     def release(self, report: bool = False):
         """Drop the rows of requests that ended (report: their outputs are still to be reported)."""
-        ended = [j for j in self.batch.joining if j.request.finish_reason is not None]
+        ended = [j for j in self.batch.prefilling if j.request.finish_reason is not None]
         if ended:
             try:
-                self.batch.drop_joining(ended)
+                self.batch.drop_prefilling(ended)
             except Exception as exc:  # noqa: BLE001 (contained: the other joiners end with the reason)
                 log.exception("freeing the row of a request being prefilled failed; those being prefilled end")
-                self._end_joining(exc)
+                self._end_prefilling(exc)
         running = self.batch.requests
         keep = [i for i, r in enumerate(running) if r.finish_reason is None]
         for r in running:
