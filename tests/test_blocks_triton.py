@@ -11,7 +11,6 @@ import itertools
 import os
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from specengine.ops.blocks import (BLOCK_LAYOUT, FLOAT_TYPES, LAYOUTS, BlockMatr
                                    dequantize_reference, embedding_rows, linear_blocks)
 
 from bounds import assert_within_product_bound  # noqa: E402
+from kernel_util import count_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T = WeightType
@@ -70,22 +70,6 @@ def assert_bit_exact(got: torch.Tensor, want: torch.Tensor):
     differ = got.cpu().view(torch.int32) != want.cpu().view(torch.int32)
     assert not differ.any(), (f"{int(differ.sum())} of {differ.numel()} weights differ, first at "
                               f"{differ.nonzero()[0].tolist()}: {got.cpu()[differ][:4]} != {want.cpu()[differ][:4]}")
-
-
-BLOCK_KERNELS = ("_gemv_kernel", "_gemm_kernel", "_combine_kernel", "_rows_kernel")
-
-
-def count_launches(monkeypatch) -> Counter:
-    """Counts of the block kernels' launches from here on, by kernel name (each launch still runs)."""
-    counts = Counter()
-    for name in BLOCK_KERNELS:
-        fn = getattr(kernels, name)
-
-        def counted(*args, _name=name, _run=fn.run, **kwargs):
-            counts[_name] += 1
-            return _run(*args, **kwargs)
-        monkeypatch.setattr(fn, "run", counted)
-    return counts
 
 
 def gguf_dequantized(part: MatrixPart) -> torch.Tensor:
