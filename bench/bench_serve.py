@@ -721,32 +721,28 @@ def soak(args, base_url: str, server, offline: Engine, prompts) -> dict:
     return out
 
 
-def prompt_tokens_by_source(base_url: str) -> dict | None:
-    """The server's prompt tokens so far, computed and from the prefix cache (GET /metrics)."""
+def counts_by_label(base_url: str, metric: str, label: str) -> dict | None:
+    """A labelled counter of the server's so far, by the label's value (GET /metrics)."""
     try:
         text = httpx.get(base_url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
     out = {}
     for line in text.splitlines():
-        if line.startswith("specengine:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            out[source] = float(line.rsplit(" ", 1)[1])
+        if line.startswith(f"specengine:{metric}{{"):
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def prompt_tokens_by_source(base_url: str) -> dict | None:
+    """The server's prompt tokens so far, computed and from the prefix cache."""
+    return counts_by_label(base_url, "prompt_tokens_by_source_total", "source")
 
 
 def refused_counts(base_url: str) -> dict | None:
-    """The server's refusals so far by reason (GET /metrics' requests_refused_total)."""
-    try:
-        text = httpx.get(base_url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("specengine:requests_refused_total{"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = float(line.rsplit(" ", 1)[1])
-    return out
+    """The server's refusals so far by reason."""
+    return counts_by_label(base_url, "requests_refused_total", "reason")
 
 
 def wait_until_idle(base_url: str, server) -> dict:
