@@ -130,6 +130,7 @@ def _options_named(text: str, start: str = r"^\s*") -> dict[str, set[str]]:
 
 def test_the_readme_synopses_name_every_option():
     """The README's `specengine <command> ...` lines name every option --help lists, and no other."""
+    import argparse
     from pathlib import Path
 
     from specengine.cli import build_parser
@@ -138,7 +139,8 @@ def test_the_readme_synopses_name_every_option():
     commands = build_parser()._subparsers._group_actions[0].choices
     assert set(named) == set(commands)
     for command, parser in commands.items():
-        options = {o for action in parser._actions for o in action.option_strings if o.startswith("--")} - {"--help"}
+        options = {o for action in parser._actions if action.help != argparse.SUPPRESS  # not in --help
+                   for o in action.option_strings if o.startswith("--")} - {"--help"}
         if command == "serve":
             options -= {"--tensor-parallel"}  # accepted, to refuse it with a reason
         assert named[command] == options, command
