@@ -47,14 +47,19 @@ def load_kernels():
         import torch  # noqa: F401
     except ImportError:
         sys.modules["torch"] = types.ModuleType("torch")
-    if "kernels" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("kernels", KERNELS_DIR / "__init__.py",
+    # Another package named `kernels` (Hugging Face's, which transformers imports) may be loaded:
+    # ours then goes under a name of its own.
+    name = "kernels"
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve().parent != KERNELS_DIR.resolve():
+        name = "specengine_kernels_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, KERNELS_DIR / "__init__.py",
                                                       submodule_search_locations=[str(KERNELS_DIR)])
         package = importlib.util.module_from_spec(spec)
-        sys.modules["kernels"] = package
+        sys.modules[name] = package
         spec.loader.exec_module(package)
-    return [importlib.import_module(f"kernels.{name}")
-            for name in MODULES]
+    return [importlib.import_module(f"{name}.{module}") for module in MODULES]
 
 
 def signature(fn, constexprs: dict, logits: str) -> dict:

@@ -70,8 +70,11 @@ class Scheduler:
         the requests being prefilled end (then it raises)."""
         pending = self.batch.pending
         chunks = pending.work if pending is not None else self._chunks(share.tokens)
+        # Chunks shorter than CHUNK in all run whole: short prompts' prefills are not the chunks
+        # whose pace the budget measured, and they cost little.
+        layers = share.layers if pending is not None or sum(n for _, n in chunks) >= CHUNK else None
         try:
-            return self.batch.prefill(chunks, share.layers)
+            return self.batch.prefill(chunks, layers)
         except BaseException as exc:
             self._end_prefilling(exc)
             raise
