@@ -1,15 +1,7 @@
 import os
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 
-# `python -m pytest` puts the working directory first on sys.path: from the repository's root, its
-# kernels/ folder (installed as specengine.kernels) would shadow the `kernels` package that
-# transformers imports when it is installed (transformers 5.25 with kernels 0.19 fails to load).
-_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
-
-import torch  # noqa: E402
+import torch
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It must be chosen
 # before any kernel module is imported (triton.jit reads it when decorating).
