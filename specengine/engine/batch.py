@@ -6,7 +6,7 @@ A request gets a staged row in each cache (layers.kv_cache) when it is admitted 
 the prompt's longest prefix of blocks found in the prefix cache is copied into it. Each step
 then prefills the chunks the scheduler chose (engine.scheduler), the draft model in the same
 chunks; a request whose prefill is done joins the rows in use, and the next round decodes it. A
-chunk that costs more than a round may run its target forward a few layers a step
+chunk that costs more than its share of a round may run its target forward a few layers a step
 (engine.prefill_budget): it is then pending until its last layer has run, and no other chunk
 starts meanwhile. A row's cache holds its sequence but the last token, which the next round
 feeds. Requests leave when they finish or are aborted (keep: the other rows move to the front;
