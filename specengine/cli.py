@@ -49,10 +49,11 @@ def _engine_arguments(parser: argparse.ArgumentParser, gamma: int | str, gamma_h
                                          "(default: the default pair, target and draft)")
     parser.add_argument("--draft", help="local Hugging Face folder or GGUF file of the draft model "
                                         "(none: target-only; with a tokenizer of its own, it drafts the tokens "
-                                        "both vocabularies share)")
-    parser.add_argument("--drafter", choices=("model", "ngram", "suffix"), default="model",
-                        help="draft with the --draft model, by prompt lookup (ngram), or by suffix decoding over "
-                             "the prompt and earlier outputs (suffix)")
+                                        "both vocabularies share; a folder of an EAGLE-3 head drafts from the "
+                                        "target's features)")
+    parser.add_argument("--drafter", choices=("model", "ngram", "suffix", "eagle3"), default="model",
+                        help="draft with the --draft model, by prompt lookup (ngram), by suffix decoding over "
+                             "the prompt and earlier outputs (suffix), or with the EAGLE-3 head in --draft (eagle3)")
     parser.add_argument("--suffix-max-global-tokens", type=int, metavar="N",
                         help="with --drafter suffix: tokens of earlier requests' outputs kept to draft from, the "
                              "oldest dropped first (0: each request's own tokens only; default 262144, about 50 MB)")

@@ -42,6 +42,10 @@ class Drafter(Protocol):
 
     model: "Model | None" = None          # the draft model (None: a model-free drafter)
     steps: "FixedShapeSteps | None" = None     # its fixed-shape steps, after use_static_steps
+    # The target layers whose input states this drafter reads (a feature drafter: drafters.eagle3).
+    # The engine reads it once and has the target capture them in every forward (prefill chunks,
+    # verification), handing each forward's over with take_features. (): reads none.
+    feature_layers: tuple[int, ...] = ()
 
     def staged_cache(self, capacity: int) -> "StaticKVCache | None":
         """The draft model's cache of contexts of `capacity` tokens (made on first use), whose
@@ -60,6 +64,12 @@ class Drafter(Protocol):
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only these rows (in this order); the others' requests have left."""
         ...
+
+    def take_features(self, rows: list[int], starts: list[int], features: torch.Tensor, counts: list[int]) -> None:
+        """With feature_layers: row rows[r] now has the target's features (LlamaForCausalLM.capture_features)
+        of positions starts[r] .. starts[r] + counts[r] - 1, in features[r, :counts[r]] ([R, T, F]
+        float32): a joining prompt's (right after join_rows) and, after each host round, those of the
+        tokens verification kept. Positions come in order, each once."""
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:
         """Up to budgets[b] draft tokens to follow sequences[b] (max(budgets) >= 1)."""

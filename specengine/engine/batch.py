@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from ..drafters.base import Drafter
 from ..layers.kv_cache import StaticKVCache
 from ..sampling.batch import SamplingBatch
@@ -41,6 +43,9 @@ class Prefilling:
     stored: int = 0             # of those blocks, how many the prefix cache has had from it
     encoders: list | None = None  # encoder-decoder: each model's encoder run (models.t5.EncoderRun)
     encoded: bool = True        # its encoders have run and written the cross-attention entries
+    # With a feature drafter: the target's features of its first `done` positions (LlamaForCausalLM.
+    # capture_features), [n, F] pieces in order, handed to the drafter when it joins.
+    features: list = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -133,6 +138,9 @@ class RunningBatch:
         if j.request.prompt_logprobs is not None:
             return  # its prompt is scored from its prefill's hidden states: prefilled whole (and cached)
         blocks = self.prefix_cache.match(j.keys, j.prefill)
+        if self.target.feature_layers:  # a feature drafter needs the blocks' features too
+            blocks = blocks[:next((i for i, b in enumerate(blocks) if b.features is None), len(blocks))]
+            j.features = [b.features for b in blocks]
         if not blocks:
             return
         staged = self.prefilling.index(j)
@@ -169,6 +177,12 @@ class RunningBatch:
         if self.drafter is not None:
             sources = [r.source for r in requests] if self.target.is_encoder_decoder else None
             self.drafter.join_rows([r.sequence_start for r in requests], self.cache.capacity, sources)
+            if self.drafter.feature_layers:  # their prompts' features, from the prefill and the prefix cache
+                for row, j in enumerate(joined, start=len(self.requests)):
+                    if j.features:
+                        features = torch.cat(j.features)
+                        self.drafter.take_features([row], [0], features[None], [features.shape[0]])
+                    j.features = []
         self.requests += requests
         self._sampling()
         return PrefillStep(requests, tokens, share)
@@ -204,6 +218,10 @@ class RunningBatch:
         for call in pending.calls:
             for i in call.chunks:
                 pending.work[i][0].request.stats.target_calls += 1
+        if self.target.feature_layers:
+            for call in pending.calls:
+                for row, (i, n) in enumerate(zip(call.chunks, call.lengths)):
+                    pending.work[i][0].features.append(call.run.features[row, :n])
         for j, n in pending.work:
             j.done += n
         if self.prefix_cache is not None:
@@ -222,7 +240,8 @@ class RunningBatch:
         for _, cache in self._models():
             row = cache.staged_view(staged, 1)
             kv.append((row.k[:, 0, a:b], row.v[:, 0, a:b]))
-        self.prefix_cache.store(j.keys, j.prefill, j.stored, kv)
+        features = torch.cat(j.features)[a:b] if self.target.feature_layers else None
+        self.prefix_cache.store(j.keys, j.prefill, j.stored, kv, features)
         j.stored = full
 
     def _encode(self, chunks: list[tuple[Prefilling, int]]) -> int:

@@ -9,17 +9,19 @@ import torch
 
 from ..drafters.base import Drafter
 from ..drafters.cross_vocab import CrossVocabDrafter
+from ..drafters.eagle3 import Eagle3Drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..drafters.suffix import SuffixDrafter
 from ..drafters.vocab_map import VocabMap
 from ..layers.parallel import init_tensor_parallel
+from ..models.eagle3 import is_eagle3_folder, load_eagle3
 from ..models.loader import Model, load_model
 from ..tokenizer import TokenizerMismatchError, has_tokenizer, load_tokenizer
 
 log = logging.getLogger("specengine")
 
-DRAFTERS = ("model", "ngram", "suffix")
+DRAFTERS = ("model", "ngram", "suffix", "eagle3")
 
 
 def load_models(target: str | Path, draft: str | Path | None, drafter: str, device: str,
@@ -41,6 +43,8 @@ def load_models(target: str | Path, draft: str | Path | None, drafter: str, devi
         suffix_options["max_global_tokens"] = suffix_max_global_tokens
     if drafter in ("ngram", "suffix") and draft is not None:
         raise ValueError(f"the {drafter} drafter takes no draft model; drop `draft` or use drafter='model'")
+    if drafter == "eagle3" and draft is None:
+        raise ValueError("drafter='eagle3' reads an EAGLE-3 head: give its folder as `draft`")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {device!r} requested but CUDA is not available")
     if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
@@ -59,6 +63,11 @@ def load_models(target: str | Path, draft: str | Path | None, drafter: str, devi
         return target_model, tokenizer, SuffixDrafter(**suffix_options)
     if draft is None:
         return target_model, tokenizer, None
+    if drafter == "eagle3" or is_eagle3_folder(draft):  # a folder whose config says it is an EAGLE-3 head
+        log.info("loading EAGLE-3 head %s", draft)
+        head = load_eagle3(draft, target_model)
+        log.info("loaded target and head in %.1f s", time.perf_counter() - start)
+        return target_model, tokenizer, Eagle3Drafter(head, target_model.config.vocab_size, len(tokenizer))
     log.info("loading draft %s", draft)
     draft_model = load_model(draft, device, dtype, weight_dtype)
     if has_tokenizer(draft):

@@ -75,6 +75,9 @@ class Engine:
             raise ValueError("cuda_graphs runs decoder-only targets; an encoder-decoder target decodes eagerly "
                              "(drop cuda_graphs)")
         self.config, self.target, self.tokenizer, self.drafter = config, target, tokenizer, drafter
+        if not target.is_encoder_decoder:
+            # A feature drafter reads states of the target's layers, captured in its every forward.
+            target.capture_features(drafter.feature_layers if drafter is not None else ())
         self.auto_gamma = drafter is not None and config.gamma == "auto"
         # The most drafts a round may propose.
         self.gamma = 0 if drafter is None else config.max_gamma if self.auto_gamma else config.gamma

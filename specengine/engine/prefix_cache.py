@@ -54,6 +54,7 @@ class Block:
     tokens: tuple[int, ...]                          # its BLOCK tokens (checked on a match)
     kv: list[tuple[torch.Tensor, torch.Tensor]]      # per cache: k, v [layers, BLOCK, kv heads, head_dim]
     nbytes: int
+    features: torch.Tensor | None = None  # [BLOCK, F] the target's features, for a feature drafter
 
 
 class PrefixCache:
@@ -86,9 +87,11 @@ class PrefixCache:
         return found
 
     def store(self, keys: list[bytes], tokens: list[int], first: int,
-              kv: list[tuple[torch.Tensor, torch.Tensor]]):
+              kv: list[tuple[torch.Tensor, torch.Tensor]], features: torch.Tensor | None = None):
         """Keep blocks first, first + 1, ... of a prompt (keys from block_keys(tokens)): kv holds,
-        per cache, k and v [layers, n * BLOCK, kv heads, head_dim] of their positions (copied here).
+        per cache, k and v [layers, n * BLOCK, kv heads, head_dim] of their positions (copied here);
+        features [n * BLOCK, F], the target's features there, when a feature drafter reads them
+        (drafters.eagle3: kept so that a row starting from the blocks drafts as its prefill would).
         Room is made by evicting other prefixes' blocks, never this one's: what does not fit is
         its tail, which is not kept."""
         n = kv[0][0].shape[1] // BLOCK
@@ -98,10 +101,11 @@ class PrefixCache:
             if key in self.blocks:
                 continue
             parts = [(k[:, i * BLOCK:(i + 1) * BLOCK].clone(), v[:, i * BLOCK:(i + 1) * BLOCK].clone()) for k, v in kv]
-            nbytes = sum(k.nbytes + v.nbytes for k, v in parts)
+            part = features[i * BLOCK:(i + 1) * BLOCK].clone() if features is not None else None
+            nbytes = sum(k.nbytes + v.nbytes for k, v in parts) + (part.nbytes if part is not None else 0)
             if not self._evict(self.budget - nbytes, keep=chain):
                 break
-            self.blocks[key] = Block(tuple(tokens[(first + i) * BLOCK:(first + i + 1) * BLOCK]), parts, nbytes)
+            self.blocks[key] = Block(tuple(tokens[(first + i) * BLOCK:(first + i + 1) * BLOCK]), parts, nbytes, part)
             self.bytes += nbytes
             self.stored_blocks += 1
         self.touch(keys[:first + n])

@@ -197,6 +197,8 @@ class RoundRunner:
             return 1
         if any(r.logprobs is not None for r in active):
             return 1  # log-probabilities come from each round's verification logits, which a block overwrites
+        if self.drafter is not None and self.drafter.feature_layers:
+            return 1  # a feature drafter takes each verification's features, which a host round hands over
         if gamma > 0 and not self.drafter.runs_in_device_rounds(sequences):
             return 1  # a host round first: its catch-up feeds the draft model what rounds at gamma 0 skipped
         return max(1, min(self.rounds_per_read, rounds_that_fit(self.rooms(active, sequences), gamma)))
@@ -256,6 +258,11 @@ class RoundRunner:
                               lambda row, name: row_problems(name, checked[name])[row])
         if G > 0:
             self.drafter.verified([len(s) + len(r.tokens) for s, r in zip(sequences, results)])
+        if self.drafter is not None and self.drafter.feature_layers:
+            # The verification forward's features (LlamaForCausalLM.capture_features) of the tokens it
+            # kept: each row's last token and its accepted drafts; those of rejected drafts are dropped.
+            self.drafter.take_features(list(range(len(sequences))), [len(s) - 1 for s in sequences],
+                                       self.target.features, [len(r.tokens) if r.failure is None else 0 for r in results])
         scored = [i for i, r in enumerate(active) if r.logprobs is not None and results[i].failure is None]
         if scored:
             self._score(results, scored, active, logits, batch.sampling)

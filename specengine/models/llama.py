@@ -52,6 +52,8 @@ class PartialForward:
     x: torch.Tensor | None = None   # [B, T, D] the residual stream after layers_done layers
     delta: torch.Tensor | None = None  # [B, T, D] the last layer's output, which the next norm adds to x
     layers_done: int = 0
+    # [B, T, len(feature_layers) * D] float32: the states captured so far (LlamaForCausalLM.capture_features)
+    features: torch.Tensor | None = None
 
 
 def _matrix(in_features: int, out_features: int, bias: bool, stored: bool) -> nn.Module:
@@ -189,6 +191,10 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
                 self.register_buffer("output_token_ids", torch.zeros(cfg.output_vocab_size, dtype=torch.int64))
             elif cfg.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
+        # The layers whose input states every forward captures (capture_features), and the last
+        # whole forward's capture.
+        self.feature_layers: tuple[int, ...] = ()
+        self.features: torch.Tensor | None = None
         # Kept out of the module's buffers so that model.to(bfloat16) cannot round it.
         self._inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope_at
@@ -285,6 +291,21 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
         """
         return self.forward_layers(self.start_forward(tokens, start_pos, kv_len), cache)
 
+    def capture_features(self, layer_ids: tuple[int, ...]):
+        """From now on every forward captures the residual stream entering each of these decoder
+        layers (id i: the input of layer i, the embedding for 0; id num_layers: the output of the
+        last layer before the final norm), what a feature drafter reads (drafters.eagle3): after a
+        forward has run its last layer, self.features is [B, T, len(layer_ids) * D] float32, the
+        states side by side in the order of layer_ids (a PartialForward's are in run.features).
+        Set once, when a drafter that reads them is attached; () captures nothing."""
+        layer_ids = tuple(layer_ids)
+        L = self.config.num_layers
+        bad = [i for i in layer_ids if not (isinstance(i, int) and 0 <= i <= L)]
+        if bad or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"feature layers must be distinct layer ids in [0, {L}] (the target has {L} layers), "
+                             f"got {list(layer_ids)}")
+        self.feature_layers, self.features = layer_ids, None
+
     def start_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor,
                       kv_len: int | None = None) -> "PartialForward":
         """A forward over no layer yet (arguments as forward's), for forward_layers to run."""
@@ -315,7 +336,13 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
         # The embedding is made here, not kept from an earlier failed try (models.backend's fallback).
         x, delta = (self.embed(run.tokens), None) if run.layers_done == 0 else (run.x, run.delta)
         end = len(self.model.layers) if layers is None else min(len(self.model.layers), run.layers_done + layers)
+        capture = self.feature_layers
+        if capture and run.features is None:
+            run.features = torch.empty((*run.tokens.shape, len(capture) * c.hidden_size), dtype=torch.float32,
+                                       device=run.tokens.device)
         for i in range(run.layers_done, end):
+            if i in capture:
+                self._capture(run.features, capture.index(i), x, delta)
             if whole_layers is not None:  # one C++ call, x updated in place
                 decoder_layer(x, whole_layers[i], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, cos, sin,
                               run.positions, *cache.layer(i), kv_len, c.sliding_window, check=ops.CHECK_MODEL_CALLS)
@@ -324,7 +351,18 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
         run.x, run.delta, run.layers_done = x, delta, end
         if end < len(self.model.layers):
             return None
+        if capture:
+            if len(self.model.layers) in capture:
+                self._capture(run.features, capture.index(len(self.model.layers)), x, delta)
+            self.features = run.features
         return self.model.norm.add_and_norm(x, delta, backend.impl)[1]
+
+    def _capture(self, features: torch.Tensor, slot: int, x: torch.Tensor, delta: torch.Tensor | None):
+        """Write the residual stream into features[..., slot * D:(slot + 1) * D]: x + delta on the
+        per-op paths (the add the next norm makes), x itself where whole layers update it in place
+        (copied before the next layer overwrites it)."""
+        D = self.config.hidden_size
+        features[..., slot * D:(slot + 1) * D].copy_(x if delta is None else x + delta)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, T, D] in the compute dtype, a fresh tensor (indexing copies; the
