@@ -170,6 +170,39 @@ def test_vllm_names_an_own_embedding_and_norm_before_residual(target, tmp_path):
     assert not torch.allclose(moved, out, atol=1e-3)
 
 
+def test_the_drafters_q_is_the_published_chain(target, tmp_path):
+    """The drafter's q over two rounds against the float64 forward: pairs (features at t, token at
+    t + 1), the chain fed back from the head's outputs, its entries dropped for the verified tokens'
+    pairs in the next round; ids past the tokenizer's (30, 31) never proposed."""
+    from specengine.sampling.batch import SamplingBatch
+
+    draft_ids = [31, 0, 7, 9, 12, 13, 20, 21, 25, 3, 30, 1]
+    t = head_tensors(target, seed=5, draft_ids=draft_ids)
+    head = load_eagle3(write_head(tmp_path / "head", head_config(target, draft_vocab=len(draft_ids)), t), target)
+    drafter = Eagle3Drafter(head, 32, 30)
+    g = torch.Generator().manual_seed(2)
+    seq = prompt(12, 9)
+    features = torch.randn(13, 96, generator=g)  # positions 0 .. 12
+    greedy = SamplingBatch.from_params([SamplingParams(temperature=0)], [0], torch.device("cpu"))
+    embedding = target.model.embed_tokens.weight
+    drafter.join_rows([seq], 64)
+    drafter.take_features([0], [0], features[None, :11], [11])  # the prompt's prefill: positions 0 .. 10
+    for rnd, (sequence, budget) in enumerate(((seq, 3), (None, 2))):
+        if rnd == 1:  # verification kept draft 1 and emitted another token; features of positions 11, 12
+            sequence = seq + [drafts[0], 5]
+            drafter.take_features([0], [11], features[None, 11:13], [2])
+        proposal = drafter.propose([sequence], [budget], greedy)
+        drafts = proposal.tokens[0].tolist()
+        n = len(sequence)
+        _, ref = reference_chain(t, embedding, features[:n - 1], sequence[1:], drafts[:-1])
+        q = ref[n - 2:].clone()
+        q[:, 30:] = float("-inf")
+        assert proposal.num_drafts.tolist() == [budget] and drafts == q.argmax(-1).tolist()
+        assert torch.equal(torch.isinf(proposal.logits[0]), torch.isinf(q))
+        finite = torch.isfinite(q)
+        torch.testing.assert_close(proposal.logits[0].double()[finite], q[finite], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(config=dict(vocab_size=40)), "vocab_size 40 is not the target's 32"),
     (dict(config=dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 5]})),
@@ -244,3 +277,231 @@ def test_capture_refuses_layers_the_target_lacks(target):
         target.capture_features((0, 3))
     with pytest.raises(ValueError, match="distinct"):
         target.capture_features((1, 1))
+
+
+# ---- in the engine ---------------------------------------------------------------------------
+
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+
+
+def bigram_target(vocab_size=32, seed=0):
+    """A target whose layers add nothing (o_proj and down_proj zero): its next token is a function
+    of the current one, b(x) = argmax of its logits on x's embedding. Its layers still run, write
+    their caches and hand over features."""
+    target = tiny_model(vocab_size, seed=seed, logit_scale=3.0)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return target
+
+
+def planted_tensors(target, scale=20.0):
+    """A head that drafts a bigram target's next token well: its layer adds nothing (o_proj and
+    down_proj zero), so its output at the pair (features of x_t, x_{t+1}) is fc of the features,
+    here the embedding of x_t, and its lm_head scores b(b(x_t)) = x_{t+2} (the target's greedy
+    token) by the normed embeddings mapped there. Its later chain drafts repeat the first: accepted
+    only sometimes, so acceptance is ragged."""
+    t = head_tensors(target, seed=4)
+    H, V = target.config.hidden_size, target.config.vocab_size
+    t["fc.weight"] = torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], 1)  # slot 0: layer 0's input, the embedding
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        t["midlayer." + name].zero_()
+    with torch.no_grad():
+        normed = target.model.norm(target.model.embed_tokens.weight)  # [V, H]: what the target's head reads
+        b = target.logits(normed).argmax(-1)
+    t["norm.weight"] = target.model.norm.weight.detach().clone()
+    lm_head = torch.zeros(V, H)
+    lm_head.index_add_(0, b[b], normed / normed.pow(2).sum(-1, keepdim=True))
+    t["lm_head.weight"] = lm_head * scale * H
+    return t
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """(bigram target, folder of its planted head)."""
+    target = bigram_target()
+    folder = write_head(tmp_path_factory.mktemp("planted"), head_config(target), planted_tensors(target))
+    return target, folder
+
+
+def eagle_engine(target, folder, **options) -> Engine:
+    head = load_eagle3(folder, target)
+    return Engine(target, drafter=Eagle3Drafter(head, target.config.vocab_size, target.config.vocab_size), **options)
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(3, 31)) * 2 + [9, 1]]
+
+
+@pytest.fixture(scope="module")
+def baseline(planted):
+    return [r.token_ids for r in Engine(planted[0]).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4, "auto"])
+def test_greedy_equals_target_only_with_ragged_acceptance(planted, baseline, gamma):
+    engine = eagle_engine(*planted, gamma=gamma)
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == baseline
+    stats = engine.last_run_stats
+    assert stats.accepted > 0 and stats.rejections > 0  # drafts both kept and rejected
+    alone = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    assert alone == baseline
+
+
+def test_the_planted_head_drafts_the_targets_next_token(planted):
+    """Its first draft is the target's greedy token: nearly every round keeps one draft or more."""
+    engine = eagle_engine(*planted, gamma=1)
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+    assert engine.last_run_stats.acceptance_rate > 0.8
+
+
+def test_a_random_head_keeps_greedy_output(planted, baseline, tmp_path):
+    target = planted[0]
+    folder = write_head(tmp_path / "head", head_config(target, draft_vocab=20),
+                        head_tensors(target, seed=7, draft_ids=list(range(31, 11, -1))))
+    assert [r.token_ids for r in eagle_engine(target, folder, gamma=3).generate(PROMPTS, GREEDY)] == baseline
+
+
+def test_requests_join_and_leave_a_running_batch(planted, baseline):
+    """Two requests decode; a third joins mid-run; the second is aborted: the others' tokens are
+    target-only greedy's."""
+    engine = eagle_engine(*planted, gamma=3)
+    first = engine.add_request(PROMPTS[0], GREEDY)
+    second = engine.add_request(PROMPTS[1], GREEDY)
+    tokens = {}
+
+    def step():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for _ in range(3):
+        step()
+    third = engine.add_request(PROMPTS[2], GREEDY)
+    step()
+    assert engine.abort(second)
+    while engine.has_unfinished_requests() or engine.has_pending_outputs():
+        step()
+    assert tokens[first] == baseline[0] and tokens[third] == baseline[2]
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 32, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(planted):
+    specs = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    prompts = [prompt(9, 1), prompt(40, 2), prompt(3, 3)]
+    engine = eagle_engine(*planted, gamma=3, prefix_cache_bytes=0)
+    together = [r.token_ids for r in engine.generate(prompts, specs)]
+    assert engine.last_run_stats.accepted > 0
+    assert together == [engine.generate([p], [s])[0].token_ids for p, s in zip(prompts, specs)]
+
+
+def test_the_prefix_cache_keeps_the_drafts_q(planted):
+    """Prompts sharing two blocks of the prefix cache: seeded outputs (which follow q) equal those
+    without the cache, the blocks' features standing in for the prefill's."""
+    shared = prompt(130, 5)
+    prompts = [shared + prompt(6, 6), shared + prompt(3, 7), shared[:129]]
+    specs = [SamplingParams(max_new_tokens=14, temperature=t, seed=s) for t, s in ((1.0, 1), (0.8, 2), (1.0, 3))]
+    without = eagle_engine(*planted, gamma=3, prefix_cache_bytes=0)
+    want = [without.generate([p], [s])[0].token_ids for p, s in zip(prompts, specs)]
+    engine = eagle_engine(*planted, gamma=3, prefix_cache_bytes=1 << 24)
+    got = [engine.generate([p], [s])[0].token_ids for p, s in zip(prompts, specs)]
+    assert engine.prefix_cache.hit_tokens >= 2 * 128
+    assert got == want
+
+
+class OneLayerAStep:
+    """A prefill budget as it is when a chunk takes longer than a round: 32 tokens, one layer a step."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def next(self, decoding: bool):
+        from specengine.engine.prefill_budget import PrefillShare
+        return PrefillShare(32, 1) if decoding else PrefillShare(None)
+
+    def __getattr__(self, name):
+        return getattr(self.budget, name)
+
+
+def test_chunks_cut_by_layers_joins_aborts_and_cached_prompts_keep_outputs(planted):
+    """A chunk's forward spread over steps while rows decode, join and leave, a request is aborted
+    and another's prompt is all in the prefix cache: outputs (seeded ones too) are those of whole
+    prompts without the cache."""
+    cached_prompt = prompt(64 + 1, seed=41)
+    specs = [(prompt(200, seed=40), SamplingParams(max_new_tokens=12, temperature=1.0, seed=1)),
+             (cached_prompt, SamplingParams(max_new_tokens=6, temperature=0.0)),
+             (prompt(150, seed=42), SamplingParams(max_new_tokens=8, temperature=0.7, seed=2)),
+             (prompt(90, seed=43), SamplingParams(max_new_tokens=5, temperature=1.0, seed=3))]
+    unchunked = eagle_engine(*planted, gamma=3, prefill_chunk_tokens=None, prefix_cache_bytes=0)
+    want = [unchunked.generate([p], s)[0].token_ids for p, s in specs]
+    engine = eagle_engine(*planted, gamma=3, prefill_chunk_tokens="auto")
+    engine.prefill_budget = OneLayerAStep(engine.prefill_budget)
+    engine.generate([cached_prompt], SamplingParams(max_new_tokens=1))  # its blocks into the prefix cache
+    runner = engine.add_request(prompt(5), SamplingParams(max_new_tokens=60, temperature=0))
+    outputs, step, pending_seen = {runner: engine.step()[0].new_token_ids}, 0, 0
+    engine.add_request(specs[0][0], specs[0][1], "long")
+    while engine.has_unfinished_requests() or engine.has_pending_outputs():
+        if step == 1:
+            assert engine.scheduler.batch.pending is not None
+            engine.add_request(specs[1][0], specs[1][1], "cached")
+            engine.add_request(specs[2][0], specs[2][1], "aborted")
+        if step == 4:
+            assert engine.abort("aborted")
+        if step == 6:
+            engine.add_request(specs[3][0], specs[3][1], "later")
+        pending_seen += engine.scheduler.batch.pending is not None
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    assert pending_seen >= 7
+    assert outputs["long"] == want[0] and outputs["cached"] == want[1] and outputs["later"] == want[3]
+    assert outputs["aborted"] == [] and len(outputs[runner]) == 60
+    assert engine.prefix_cache.hit_tokens >= 64
+
+
+def test_fixed_shape_steps_run_host_rounds(planted, baseline):
+    """cuda_graphs on a CPU (the target's fixed-shape steps, eagerly; rounds_per_read asks for blocks,
+    which a feature drafter does not run): the same tokens."""
+    engine = eagle_engine(*planted, gamma=3, cuda_graphs=True, max_batch_size=4, rounds_per_read=4)
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == baseline
+    assert engine.last_run_stats.accepted > 0
+
+
+def test_every_rounds_q_is_the_heads_over_the_verified_features(target, tmp_path, monkeypatch):
+    """In the engine (three seeded rows, ragged acceptance, a join), each round's q equals the head's
+    run from scratch over the sequence's features from one target forward and the drafted chain:
+    the drafter pairs the right features with the right tokens, keeps only verified tokens' and
+    feeds its chain back as it should."""
+    folder = write_head(tmp_path / "head", head_config(target, draft_vocab=24),
+                        head_tensors(target, seed=8, draft_ids=list(range(24))))
+    engine = eagle_engine(target, folder, gamma=3)
+    drafter, records = engine.drafter, []
+    propose = drafter.propose
+
+    def recording(sequences, budgets, sampling):
+        proposal = propose(sequences, budgets, sampling)
+        records.append(([list(s) for s in sequences], proposal.tokens.clone(), proposal.logits.clone()))
+        return proposal
+    monkeypatch.setattr(drafter, "propose", recording)
+    specs = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s) for s in range(3)]
+    engine.generate([prompt(6, 1), prompt(35, 2), [4]], specs)
+    assert engine.last_run_stats.accepted > 0 and engine.last_run_stats.rejections > 0
+    head, checked = drafter.model, 0
+    with torch.inference_mode():
+        for sequences, tokens, logits in records:
+            for b, seq in enumerate(sequences):
+                n, G = len(seq), tokens.shape[1]
+                if n < 2:
+                    continue
+                target(torch.tensor([seq[:-1]]), torch.tensor([0]), target.new_cache(1, n))
+                features = target.features  # [1, n - 1, F]
+                cache = head.new_cache(1, n + G)
+                out = head(torch.tensor([seq[1:]]), torch.tensor([0]), cache, hidden=head.fuse(features))[:, -1:]
+                q = [head.logits(out)[0, 0]]
+                for i, token in enumerate(tokens[b, :G - 1].tolist()):
+                    out = head(torch.tensor([[token]]), torch.tensor([n - 1 + i]), cache, hidden=out)
+                    q.append(head.logits(out)[0, 0])
+                torch.testing.assert_close(logits[b], torch.stack(q), rtol=1e-4, atol=1e-4)
+                checked += 1
+    assert checked > 10
