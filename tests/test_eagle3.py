@@ -17,6 +17,7 @@ from specengine.models.config import CheckpointError, ConfigError
 from specengine.models.eagle3 import Eagle3Head, is_eagle3_folder, load_eagle3
 
 from engine_util import tiny_model
+from stats_util import chi_square_pvalue
 
 HEADS, KV_HEADS = 4, 2
 
@@ -505,3 +506,84 @@ def test_every_rounds_q_is_the_heads_over_the_verified_features(target, tmp_path
                 torch.testing.assert_close(logits[b], torch.stack(q), rtol=1e-4, atol=1e-4)
                 checked += 1
     assert checked > 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, impl", [("T=1", "cpp"), ("T=0.7,top_k=3", "reference"), ("top_p=0.8", "cpp"),
+                                        ("min_p=0.2", "cpp")])
+def test_sampling_matches_exact_target_distribution(case, impl, tmp_path):
+    """test_engine_sampling's chi-square check with the feature drafter: a head over 3 of the
+    target's 5 ids (d2t), so tokens 1 and 2 reach the output only through the residual."""
+    from stats_util import CASES, V, exact_distribution, sample_counts
+
+    target = tiny_model(V, seed=0, hidden_size=16, logit_scale=4.0)
+    folder = write_head(tmp_path / "head", head_config(target, draft_vocab=3),
+                        head_tensors(target, seed=1, draft_ids=[3, 0, 4], head_scale=3.0))
+    engine = eagle_engine(target, folder, gamma=3, verify_impl=impl)
+    counts = sample_counts(engine, CASES[case], 12_000)
+    assert chi_square_pvalue(counts, exact_distribution(target, CASES[case])) > 1e-3
+    stats = engine.last_run_stats  # both of Algorithm 1's paths taken many times
+    assert stats.accepted > 300 and stats.rejections > 300
+
+
+@pytest.mark.slow
+def test_the_distribution_test_sees_a_wrong_d2t(tmp_path, monkeypatch):
+    """The same check rejects a drafter whose q puts the head's scores at the wrong target ids
+    (the drafts themselves sampled from the right ones)."""
+    from stats_util import CASES, V, exact_distribution, sample_counts
+
+    target = tiny_model(V, seed=0, hidden_size=16, logit_scale=4.0)
+    folder = write_head(tmp_path / "head", head_config(target, draft_vocab=3),
+                        head_tensors(target, seed=1, draft_ids=[3, 0, 4], head_scale=3.0))
+    engine = eagle_engine(target, folder, gamma=3)
+    propose = engine.drafter.propose
+
+    def wrong_q(*args):
+        proposal = propose(*args)
+        proposal.logits = proposal.logits[..., [4, 1, 2, 0, 3]]  # ids 0, 3, 4 swap their scores
+        return proposal
+    monkeypatch.setattr(engine.drafter, "propose", wrong_q)
+    counts = sample_counts(engine, CASES["T=1"], 6_000)
+    assert chi_square_pvalue(counts, exact_distribution(target, CASES["T=1"])) < 1e-6
+
+
+def test_from_pretrained_takes_a_head_by_drafter_name_or_by_its_config(text_pair, tmp_path):
+    from specengine.models import load_model
+
+    target_folder = text_pair[0]
+    target = load_model(target_folder)
+    folder = write_head(tmp_path / "head", head_config(target), head_tensors(target, seed=3))
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    want = Engine.from_pretrained(target_folder).generate(["def main():"], params)[0].token_ids
+    for drafter in ("eagle3", "model"):  # "model" with a folder whose config says EAGLE-3
+        engine = Engine.from_pretrained(target_folder, folder, drafter=drafter, gamma=3)
+        assert isinstance(engine.drafter, Eagle3Drafter) and engine.target.feature_layers == (0, 1, 2)
+        assert engine.generate(["def main():"], params)[0].token_ids == want
+    with pytest.raises(ValueError, match="give its folder as `draft`"):
+        Engine.from_pretrained(target_folder, drafter="eagle3")
+
+
+def test_an_engine_without_a_feature_drafter_captures_nothing(planted):
+    target, folder = planted
+    eagle_engine(target, folder)
+    assert target.feature_layers == (0, 1, 2)
+    Engine(target)
+    assert target.feature_layers == () and target.features is None
+
+
+def test_greedy_equals_target_only_on_a_gguf_target(tmp_path):
+    """A Q4_1 file llama.cpp's quantizer wrote, its matrices as stored (whole C++ layers for the
+    rounds, GEMMs for the prefill): its features feed the head, and greedy output is target-only's."""
+    from gguf_util import gguf_file
+
+    from specengine.models import load_model
+
+    target = load_model(gguf_file("tiny-llama.Q4_1.gguf"))
+    assert target.backend.name == "cpp-layers"
+    folder = write_head(tmp_path / "head", head_config(target, layer_ids=(1, 0, 2)), head_tensors(target, seed=6))
+    prompts = [prompt(40, 11), prompt(5, 12), [7]]
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    want = [r.token_ids for r in Engine(target).generate(prompts, params)]
+    engine = eagle_engine(target, folder, gamma=3)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == want
+    assert engine.last_run_stats.drafted > 0
