@@ -587,3 +587,37 @@ def test_greedy_equals_target_only_on_a_gguf_target(tmp_path):
     engine = eagle_engine(target, folder, gamma=3)
     assert [r.token_ids for r in engine.generate(prompts, params)] == want
     assert engine.last_run_stats.drafted > 0
+
+
+def test_a_server_drafts_with_the_head_and_counts_it(text_pair, tmp_path):
+    """The server of an engine with an EAGLE-3 head: a greedy completion is the offline one, and
+    /metrics counts the rounds' drafts and the accepted ones as the engine's statistics do."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server_util import running_server
+    from specengine.models import load_model
+
+    target_folder = text_pair[0]
+    folder = write_head(tmp_path / "head", head_config(load_model(target_folder)),
+                        head_tensors(load_model(target_folder), seed=3))
+    engine = Engine.from_pretrained(target_folder, folder, drafter="eagle3", gamma=3)
+    offline = engine.generate(["def add(a, b):"], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    drafted, accepted = engine.last_run_stats.drafted, engine.last_run_stats.accepted
+
+    def counters(url):
+        text = httpx.get(url + "/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+    with running_server(engine, "eagle") as (url, _):
+        before = counters(url)
+        response = httpx.post(url + "/v1/completions", json=dict(model="eagle", prompt="def add(a, b):", max_tokens=10,
+                                                                 temperature=0.0, ignore_eos=True), timeout=60)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["text"] == offline[0].text
+        after = counters(url)
+    assert drafted > 0
+    assert after["specengine:spec_decode_num_draft_tokens_total"] - before.get(
+        "specengine:spec_decode_num_draft_tokens_total", 0) == drafted
+    assert after["specengine:spec_decode_num_accepted_tokens_total"] - before.get(
+        "specengine:spec_decode_num_accepted_tokens_total", 0) == accepted
