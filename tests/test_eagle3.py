@@ -125,15 +125,24 @@ def target():
     return tiny_model(32, seed=0, logit_scale=3.0)
 
 
-def test_the_head_computes_the_published_forward(target, tmp_path):
+@pytest.mark.parametrize("backend, stored", [("cpp-ops", torch.float32), ("cpp-ops", torch.bfloat16),
+                                            ("torch", torch.float32), ("triton", torch.float32)])
+def test_the_head_computes_the_published_forward(target, tmp_path, backend, stored):
     """A checkpoint in EAGLE's layout (midlayer.*, a trimmed vocabulary with d2t) loads, and its
-    pairs fed in two pieces then two chain steps give the float64 forward's outputs and logits."""
+    pairs fed in two pieces then two chain steps give the float64 forward's outputs and logits, on
+    each backend (Triton in its interpreter here); a bfloat16 checkpoint keeps its matrices so."""
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("the Triton path runs here in the interpreter, on CPU tensors")
     draft_ids = [3, 0, 7, 9, 12, 13, 20, 21, 25, 31, 30, 1]
-    t = head_tensors(target, draft_ids=draft_ids)
+    t = {k: v.to(stored) if v.is_floating_point() else v for k, v in head_tensors(target, draft_ids=draft_ids).items()}
     folder = write_head(tmp_path / "head", head_config(target, draft_vocab=len(draft_ids)), t)
     assert is_eagle3_folder(folder) and not is_eagle3_folder(tmp_path)
     head = load_eagle3(folder, target)
     assert head.config.feature_layers == (0, 1, 2) and head.embed_tokens is None
+    assert head.lm_head.weight.dtype == stored and head.norm.weight.dtype == torch.float32
+    if backend != "cpp-ops":
+        head.use_backend(backend)
+    assert head.backend.name == backend
     g = torch.Generator().manual_seed(1)
     features = torch.randn(7, 3 * 32, generator=g)
     tokens = torch.randint(0, 32, (7,), generator=g).tolist()
@@ -148,6 +157,7 @@ def test_the_head_computes_the_published_forward(target, tmp_path):
         hidden = head(torch.tensor([[token]]), torch.tensor([7 + i]), cache, hidden=hidden)
         outs.append(hidden[0])
     out = torch.cat(outs)
+    assert head.triton_fallback_reason is None and head.backend.name == backend  # its own kernels ran
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-4)
     logits = head.logits(out)
     assert torch.equal(torch.isinf(logits), torch.isinf(ref_logits))
@@ -470,7 +480,7 @@ def test_fixed_shape_steps_run_host_rounds(planted, baseline):
 
 
 def test_every_rounds_q_is_the_heads_over_the_verified_features(target, tmp_path, monkeypatch):
-    """In the engine (three seeded rows, ragged acceptance, a join), each round's q equals the head's
+    """In the engine (three seeded rows, ragged acceptance, rounds without drafts), each round's q equals the head's
     run from scratch over the sequence's features from one target forward and the drafted chain:
     the drafter pairs the right features with the right tokens, keeps only verified tokens' and
     feeds its chain back as it should."""
@@ -485,7 +495,10 @@ def test_every_rounds_q_is_the_heads_over_the_verified_features(target, tmp_path
         records.append(([list(s) for s in sequences], proposal.tokens.clone(), proposal.logits.clone()))
         return proposal
     monkeypatch.setattr(drafter, "propose", recording)
-    specs = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=s) for s in range(3)]
+    # gamma scripted through rounds without drafts, after which the head catches up on several tokens
+    script = iter([3, 0, 0, 2, 0, 0, 0, 1] + [3, 2, 0] * 20)
+    monkeypatch.setattr(engine, "_round_gamma", lambda active: next(script))
+    specs = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s) for s in range(3)]
     engine.generate([prompt(6, 1), prompt(35, 2), [4]], specs)
     assert engine.last_run_stats.accepted > 0 and engine.last_run_stats.rejections > 0
     head, checked = drafter.model, 0

@@ -331,4 +331,11 @@ def load_eagle3(folder: str | Path, target) -> Eagle3Head:
         if "t2d" in tensors and tuple(tensors["t2d"].shape) != (cfg.vocab_size,):
             raise CheckpointError(f"{folder}: t2d has shape {tuple(tensors['t2d'].shape)}, not ({cfg.vocab_size},)")
     head = head.to(device=target.device, dtype=target.dtype)  # (casts floating tensors only: target_ids stay int64)
+    if tensors["fc.weight"].dtype == torch.bfloat16 and head.device.type == "cpu" and head.dtype == torch.float32:
+        # As models.loader keeps a bfloat16 checkpoint's matrices on a CPU: stored in bfloat16, widened
+        # (exactly) by the products, half the bytes a draft step reads (its lm_head is most of them).
+        with torch.no_grad():
+            for layer in (head.fc, head.qkv_proj, head.o_proj, head.gate_up_proj, head.down_proj, head.lm_head):
+                layer.weight = nn.Parameter(layer.weight.to(torch.bfloat16), requires_grad=False)
+        head.use_backend()
     return head.eval().requires_grad_(False)
