@@ -261,8 +261,9 @@ class RoundRunner:
         if self.drafter is not None and self.drafter.feature_layers:
             # The verification forward's features (LlamaForCausalLM.capture_features) of the tokens it
             # kept: each row's last token and its accepted drafts; those of rejected drafts are dropped.
+            kept = [len(r.tokens) if r.failure is None else 0 for r in results]
             self.drafter.take_features(list(range(len(sequences))), [len(s) - 1 for s in sequences],
-                                       self.target.features, [len(r.tokens) if r.failure is None else 0 for r in results])
+                                       self.target.features, kept)
         scored = [i for i, r in enumerate(active) if r.logprobs is not None and results[i].failure is None]
         if scored:
             self._score(results, scored, active, logits, batch.sampling)

@@ -112,7 +112,7 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or hidden // num_heads,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope=_parse_rope(raw),
+            rope=parse_rope(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_bias=o_bias,
@@ -147,7 +147,7 @@ def read_config(folder: str | Path) -> tuple[Path, dict]:
     return path, raw
 
 
-def _parse_rope(raw: dict) -> RopeConfig:
+def parse_rope(raw: dict) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta inside); older checkpoints write
     # `rope_theta` and an optional `rope_scaling` dict.
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})

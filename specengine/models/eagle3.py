@@ -59,8 +59,8 @@ from ..layers.rotary import RopeConfig, rope_cos_sin, rope_inv_freq
 from ..ops.activation import silu_mul
 from ..ops.attention import attention_mask, cached_attention
 from .backend import RunsOnBackend
-from .config import CheckpointError, ConfigError, _parse_rope, read_config
-from .loader import weight_files
+from .config import CheckpointError, ConfigError, parse_rope, read_config
+from .loader import safetensors_tensors
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -118,7 +118,7 @@ class Eagle3Config:
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         return cls(hidden_size=hidden, num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
                    head_dim=raw.get("head_dim") or hidden // heads, intermediate_size=raw["intermediate_size"],
-                   rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope=_parse_rope(raw), vocab_size=raw["vocab_size"],
+                   rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope=parse_rope(raw), vocab_size=raw["vocab_size"],
                    draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
                    target_hidden_size=raw.get("target_hidden_size") or hidden,
                    feature_layers=tuple(int(i) for i in ids),
@@ -273,11 +273,7 @@ def load_eagle3(folder: str | Path, target) -> Eagle3Head:
     if problems:
         raise ConfigError(f"the EAGLE-3 head {folder} does not fit the target: " + "; ".join(problems))
 
-    tensors = {}
-    for file in weight_files(folder):
-        from safetensors.torch import load_file
-        for name, tensor in load_file(str(file)).items():
-            tensors[_checkpoint_name(name)] = tensor
+    tensors = {_checkpoint_name(name): part[:] for name, part in safetensors_tensors(folder)}
     head = Eagle3Head(cfg, target_embed=target.embed)
     H, q, kv, inter = cfg.hidden_size, head.q_size, head.kv_size, cfg.intermediate_size
     expected = {
