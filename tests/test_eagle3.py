@@ -640,3 +640,21 @@ def test_a_server_drafts_with_the_head_and_counts_it(text_pair, tmp_path):
         "specengine:spec_decode_num_draft_tokens_total", 0) == drafted
     assert after["specengine:spec_decode_num_accepted_tokens_total"] - before.get(
         "specengine:spec_decode_num_accepted_tokens_total", 0) == accepted
+
+
+def test_greedy_equals_target_only_on_the_triton_kernels(tmp_path):
+    """Target and head on the Triton step kernels (in the interpreter here): the features come from
+    the Triton forward (its norms update the residual in place), and greedy output is target-only's."""
+    if torch.cuda.is_available():
+        pytest.skip("the Triton path runs here in the interpreter, on CPU tensors")
+    target = bigram_target()
+    folder = write_head(tmp_path / "head", head_config(target), planted_tensors(target))
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [prompt(7, 1), prompt(3, 2)]
+    want = [r.token_ids for r in Engine(target).generate(prompts, params)]
+    target.use_backend("triton")
+    engine = eagle_engine(target, folder, gamma=3)
+    engine.drafter.model.use_backend("triton")
+    assert [r.token_ids for r in engine.generate(prompts, params)] == want
+    assert engine.last_run_stats.accepted > 0
+    assert target.triton_fallback_reason is None and engine.drafter.model.triton_fallback_reason is None
