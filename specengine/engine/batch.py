@@ -10,7 +10,9 @@ chunk that costs more than its share of a round may run its target forward a few
 (engine.prefill_budget): it is then pending until its last layer has run, and no other chunk
 starts meanwhile. A row's cache holds its sequence but the last token, which the next round
 feeds. Requests leave when they finish or are aborted (keep: the other rows move to the front;
-drop_prefilling for requests still being prefilled).
+drop_prefilling for requests still being prefilled). A feature drafter (drafters.eagle3) gets the
+target's features of each prompt (from its chunks' forwards and the prefix cache's blocks) when
+the request joins.
 
 With an encoder-decoder target (T5) the prefill is the encoders' pass over the prompt, which
 attends both ways and so cannot be cut by tokens: it is cut by encoder blocks instead, the
