@@ -658,3 +658,20 @@ def test_greedy_equals_target_only_on_the_triton_kernels(tmp_path):
     assert [r.token_ids for r in engine.generate(prompts, params)] == want
     assert engine.last_run_stats.accepted > 0
     assert target.triton_fallback_reason is None and engine.drafter.model.triton_fallback_reason is None
+
+
+def test_cli_generates_with_a_head(text_pair, tmp_path, capsys):
+    from specengine.cli import main
+    from specengine.models import load_model
+
+    target_folder = text_pair[0]
+    target = load_model(target_folder)
+    folder = write_head(tmp_path / "head", head_config(target), head_tensors(target, seed=3))
+    args = ["generate", "--target", str(target_folder), "--prompt", "def f(x):", "--temperature", "0",
+            "--max-new-tokens", "8", "--gamma", "3", "--json"]
+    assert main(args) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    for chosen in (["--drafter", "eagle3"], []):  # by name, or by the folder's config
+        assert main([*args, "--draft", str(folder), *chosen]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["token_ids"] == want and out["stats"]["draft_calls"] > 0
