@@ -1,6 +1,7 @@
-"""Acceptance by draft position in DecodeStats: counted from host rounds and from blocks of rounds
-run from device state, summed by combine(), reported by to_dict() and summary(), and consistent
-with the other counters on real decoding."""
+"""Acceptance by draft position in DecodeStats, and rounds by drafts accepted for each number
+drafted: counted from host rounds and from blocks of rounds run from device state, summed by
+combine(), reported by to_dict() and summary(), and consistent with the other counters on real
+decoding."""
 import pytest
 
 from specengine import Engine, SamplingParams
@@ -28,6 +29,10 @@ def test_a_host_round_counts_its_drafts_and_acceptances_by_position():
     outputs.apply(r, RoundResult(tokens=[7], emitted=[1], drafted=[0], draft_calls=0))
     assert r.stats.drafted_by_position == [1, 1, 1, 0] and r.stats.accepted_by_position == [1, 0, 0, 0]
     assert r.stats.acceptance_by_position == [1.0, 0.0, 0.0, None]
+    # The round of three drafts accepted one; the round without drafts is in no row.
+    assert r.stats.accepted_histogram_by_draft_length == {3: [0, 1, 0, 0]}
+    outputs.apply(r, RoundResult(tokens=[8, 9, 10, 11, 12], emitted=[1, 4], drafted=[1, 4], draft_calls=5))
+    assert r.stats.accepted_histogram_by_draft_length == {1: [1, 0], 3: [0, 1, 0, 0], 4: [0, 0, 0, 1, 0]}
 
 
 def test_a_block_of_rounds_counts_gamma_drafts_in_every_round():
@@ -39,6 +44,7 @@ def test_a_block_of_rounds_counts_gamma_drafts_in_every_round():
     assert s.drafted_by_position == [4, 4, 4] and s.accepted_by_position == [3, 3, 1]
     assert sum(s.drafted_by_position) == s.drafted and sum(s.accepted_by_position) == s.accepted
     assert s.acceptance_by_position == [0.75, 0.75, 0.25]
+    assert s.accepted_histogram_by_draft_length == {3: [1, 0, 2, 1]}
 
 
 def test_combine_sums_positions_and_reports_them():
@@ -46,14 +52,20 @@ def test_combine_sums_positions_and_reports_them():
     a.drafted_by_position, a.accepted_histogram = [4, 2], [1, 2, 1]
     b.drafted_by_position, b.accepted_histogram = [2, 2, 2], [1, 0, 1, 0]
     assert a.accepted_by_position == [3, 1] and b.accepted_by_position == [1, 1, 0]
+    a.accepted_histogram_by_draft_length = {1: [1, 2], 2: [0, 1, 1]}
+    b.accepted_histogram_by_draft_length = {2: [3, 0, 1], 3: [0, 0, 0, 1]}
     total = DecodeStats.combine([a, b], wall_time_s=1.0)
     assert total.drafted_by_position == [6, 4, 2] and total.accepted_by_position == [4, 2, 0]
+    assert total.accepted_histogram_by_draft_length == {1: [1, 2], 2: [3, 1, 2], 3: [0, 0, 0, 1]}
+    assert a.accepted_histogram_by_draft_length == {1: [1, 2], 2: [0, 1, 1]}  # the parts stay as they were
     assert total.acceptance_by_position == [4 / 6, 0.5, 0.0]
     d = total.to_dict()
     assert d["drafted_by_position"] == [6, 4, 2] and d["acceptance_by_position"] == [4 / 6, 0.5, 0.0]
     assert d["accepted_by_position"] == [4, 2, 0]
+    assert d["accepted_histogram_by_draft_length"] == {1: [1, 2], 2: [3, 1, 2], 3: [0, 0, 0, 1]}
     d["drafted_by_position"].append(1)  # a copy: the stats stay as they were
-    assert total.drafted_by_position == [6, 4, 2]
+    d["accepted_histogram_by_draft_length"][2].append(1)
+    assert total.drafted_by_position == [6, 4, 2] and total.accepted_histogram_by_draft_length[2] == [3, 1, 2]
     assert "acceptance by position [0.67, 0.50, 0.00]" in total.summary()
     assert "acceptance by position [n/a]" in DecodeStats(gamma=1).summary()
     assert DecodeStats(gamma=0).acceptance_by_position == []
@@ -73,6 +85,13 @@ def assert_consistent(s: DecodeStats, gamma: int):
     assert all(a <= d for a, d in zip(s.accepted_by_position, s.drafted_by_position))
     assert s.drafted_by_position[0] <= s.rounds
     assert s.accepted_by_position[0] == s.rounds - s.accepted_histogram[0]
+    # The rows by number drafted hold every round that drafted, and its drafts and acceptances.
+    rows = s.accepted_histogram_by_draft_length
+    assert all(1 <= k <= gamma and len(row) == k + 1 for k, row in rows.items())
+    assert sum(map(sum, rows.values())) == s.drafted_by_position[0]
+    assert sum(k * sum(row) for k, row in rows.items()) == s.drafted
+    assert sum(j * n for row in rows.values() for j, n in enumerate(row)) == s.accepted
+    assert [sum(sum(row) for k, row in rows.items() if k > i) for i in range(gamma)] == s.drafted_by_position
 
 
 @pytest.mark.parametrize("rounds_per_read", [1, 4])

@@ -36,6 +36,8 @@ class Outputs:
             s.accepted_histogram[emitted - 1] += 1
             for position in range(drafted):
                 s.drafted_by_position[position] += 1
+            if drafted:
+                s.accepted_histogram_by_draft_length.setdefault(drafted, [0] * (drafted + 1))[emitted - 1] += 1
         if r.logprobs is not None:
             r.logprobs += outcome.logprobs
         self._append(r, outcome.tokens)

@@ -27,6 +27,10 @@ class DecodeStats:
     # Per draft position i (0-based, [gamma]): rounds that proposed at least i + 1 drafts; it sums to
     # drafted. Its accepted counterpart, accepted_by_position, follows from accepted_histogram.
     drafted_by_position: list[int] = field(default_factory=list)
+    # Per number of drafts k a round proposed (k >= 1; rounds without drafts are not here): those
+    # rounds by drafts accepted, [k + 1]. The joint counts of the two: vLLM's per-request
+    # acceptance_histogram_by_draft_length, from which its acceptance_histogram follows.
+    accepted_histogram_by_draft_length: dict[int, list[int]] = field(default_factory=dict)
     wall_time_s: float = 0.0
 
     def __post_init__(self):
@@ -79,11 +83,17 @@ class DecodeStats:
                 total.accepted_histogram[i] += count
             for i, drafted in enumerate(p.drafted_by_position):
                 total.drafted_by_position[i] += drafted
+            for k, counts in p.accepted_histogram_by_draft_length.items():
+                row = total.accepted_histogram_by_draft_length.setdefault(k, [0] * (k + 1))
+                for j, count in enumerate(counts):
+                    row[j] += count
         total.wall_time_s = wall_time_s
         return total
 
     def to_dict(self) -> dict:
         out = {k: list(v) if isinstance(v, list) else v for k, v in self.__dict__.items()}
+        out["accepted_histogram_by_draft_length"] = {k: list(row) for k, row in
+                                                     sorted(self.accepted_histogram_by_draft_length.items())}
         out.update(accepted_by_position=self.accepted_by_position, acceptance_rate=self.acceptance_rate,
                    acceptance_by_position=self.acceptance_by_position, tokens_per_round=self.tokens_per_round,
                    tokens_per_s=self.tokens_per_s)

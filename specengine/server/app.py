@@ -31,12 +31,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.request import RequestOutput
+from ..engine.request import DecodeStats, RequestOutput
 from ..sampling.logprobs import TokenLogprob
 from ..sampling.params import SamplingParams
 from .limits import RETRY_AFTER_S, Gate, Refused, ServerLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from .spec_metrics import speculative_decoding
 
 # The engine's reasons, as OpenAI's: a full context is a length limit too. "abort" (vLLM's) is
 # sent only when the server ends a request itself, at shutdown; any other abort is an error.
@@ -140,6 +141,7 @@ class _Choices:
         self.engine, self.request_ids = engine, request_ids
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.stats: list[DecodeStats | None] = [None] * len(request_ids)  # each choice's, once finished
 
     async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) pairs as the steps produce them."""
@@ -158,6 +160,7 @@ class _Choices:
                     remaining -= 1
                     self.prompt_tokens += item.stats.prompt_tokens
                     self.completion_tokens += item.stats.generated_tokens
+                    self.stats[index] = item.stats
                     # A live request is aborted by a failed step (an error), or by the server
                     # shutting down (an end: the client gets what was generated, and "abort").
                     if item.finish_reason == "abort" and self.engine.stopping is None:
@@ -177,6 +180,15 @@ class _Choices:
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def metrics(self) -> dict:
+        """What a response adds beside its usage when the engine drafts: vLLM's per-request
+        `metrics` object, whose `speculative_decoding` describes one generation (null, as vLLM's
+        for n > 1, when the response holds several)."""
+        if self.engine.engine.drafter is None:
+            return {}
+        stats = self.stats[0] if len(self.stats) == 1 else None
+        return {"metrics": {"speculative_decoding": None if stats is None else speculative_decoding(stats)}}
 
 
 class _Stream(StreamingResponse):
@@ -450,8 +462,8 @@ def create_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None
                         yield _sse({**head, "choices": [{"index": index, "text": text,
                                                          "logprobs": _joined(parts) if parts else None,
                                                          "finish_reason": FINISH_REASONS.get(out.finish_reason)}]})
-                if body.include_usage:
-                    yield _sse({**head, "choices": [], "usage": choices.usage()})
+                if body.include_usage:  # the last chunk; vLLM's per-request metrics ride it
+                    yield _sse({**head, "choices": [], "usage": choices.usage(), **choices.metrics()})
             return streamed(events(), choices)
 
         async def collect():
@@ -470,7 +482,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None
                         if scored else None for i in range(len(prompts))]
             return {**head, "choices": [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
                                         for i, (t, lp, r) in enumerate(zip(texts, logprobs, reasons))],
-                    "usage": choices.usage()}
+                    "usage": choices.usage(), **choices.metrics()}
         return await respond(request, choices, collect)
 
     @app.post("/v1/chat/completions")
@@ -500,8 +512,8 @@ def create_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None
                     if out.finished:
                         yield _sse({**head, "choices": [{"index": index, "delta": {}, "logprobs": None,
                                                          "finish_reason": FINISH_REASONS.get(out.finish_reason)}]})
-                if body.include_usage:
-                    yield _sse({**head, "choices": [], "usage": choices.usage()})
+                if body.include_usage:  # the last chunk; vLLM's per-request metrics ride it
+                    yield _sse({**head, "choices": [], "usage": choices.usage(), **choices.metrics()})
             return streamed(events(), choices)
 
         async def collect():
@@ -513,7 +525,7 @@ def create_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None
             return {**head, "object": "chat.completion",
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                  "logprobs": _chat_logprobs(entries, pieces) if scored else None,
-                                 "finish_reason": reason}], "usage": choices.usage()}
+                                 "finish_reason": reason}], "usage": choices.usage(), **choices.metrics()}
         return await respond(request, choices, collect)
 
     return app
