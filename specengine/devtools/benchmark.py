@@ -5,8 +5,9 @@ Every configuration runs in one process after a warm-up; the repeats are interle
   - transformers `generate` on the target alone, and with `assistant_model=` the draft
     (assisted generation cannot batch: batch 1 only, said so in the table);
   - an eager PyTorch loop over our model and its KV cache (the design's baseline);
-  - specengine target-only, with the draft model at each fixed gamma and gamma="auto", and with
-    the n-gram (prompt lookup) drafter;
+  - specengine target-only, with the draft model (or an EAGLE-3 head: drafter "eagle3", a head
+    folder as the draft, no HF assisted rows) at each fixed gamma and gamma="auto", and with the
+    n-gram (prompt lookup) drafter;
   - llama.cpp (llama-cpp-python, when installed and the target's GGUF file is known) at batch 1:
     target-only on the same weights in bfloat16 (what specengine holds them in), and its own
     speculative decoding (prompt lookup, the one its Python API has). Not on the quantized file
@@ -44,18 +45,21 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..drafters.eagle3 import Eagle3Drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.ngram import NgramDrafter
 from ..engine import Engine
 from ..engine.costs import measure_costs
 from ..engine.gamma import CostModel, expected_ops_ratio, predicted_speedup
 from ..models import load_model
+from ..models.eagle3 import is_eagle3_folder, load_eagle3
 from ..models.loader import is_gguf
 from ..sampling.params import SamplingParams
 from ..shipped import cache_dir, heldout_prompts
 from .corpus import heldout_chat_prompts
 
 NGRAM_GAMMA = 4  # the n-gram drafter's gamma, and the gamma of the paper's Table 3 view
+DRAFT_DRAFTERS = ("model", "eagle3")  # what drafts from BenchOptions.draft
 
 
 @dataclass
@@ -72,9 +76,14 @@ class BenchOptions:
     plot: bool = True
     gguf: Path | None = None  # the target's GGUF file, for llama.cpp (run when llama-cpp-python is installed)
     label: str = "e2e"        # the output files' names start with it
+    # "model": the draft is a draft model; "eagle3": an EAGLE-3 head's folder (a folder whose
+    # config says it is one is taken as one, as Engine.from_pretrained does).
+    drafter: str = "model"
 
     def __post_init__(self):
         self.target, self.draft, self.out_dir = Path(self.target), Path(self.draft), Path(self.out_dir)
+        if self.drafter not in DRAFT_DRAFTERS:
+            raise ValueError(f"bench: drafter must be one of {DRAFT_DRAFTERS}, got {self.drafter!r}")
         for name in ("prompts", "new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
@@ -89,6 +98,11 @@ class BenchOptions:
             raise FileNotFoundError(f"bench: the target {self.target} is neither a checkpoint folder nor a GGUF file")
         if not self.draft.is_dir():
             raise FileNotFoundError(f"bench: draft folder {self.draft} does not exist")
+        if is_eagle3_folder(self.draft):
+            self.drafter = "eagle3"
+        elif self.drafter == "eagle3":
+            raise ValueError(f"bench: drafter 'eagle3' reads an EAGLE-3 head, and {self.draft}'s config.json does "
+                             "not say it holds one")
         if self.gguf is not None:
             self.gguf = Path(self.gguf)
             if not self.gguf.is_file():
@@ -246,7 +260,7 @@ class Key:
     temperature: float
     batch: int
     gamma: int | str = 0        # spec only: 0 = target-only, or "auto"
-    drafter: str | None = None  # spec: model / ngram (None: target-only); llamacpp: one of LLAMACPP_WEIGHTS
+    drafter: str | None = None  # spec: model / eagle3 / ngram (None: target-only); llamacpp: one of LLAMACPP_WEIGHTS
 
     @property
     def name(self) -> str:
@@ -274,11 +288,11 @@ def plan(options: BenchOptions) -> list[Key]:
     for T in options.temperatures:
         for B in options.batches:
             keys.append(Key("hf", T, B))
-            if B == 1:  # HF assisted generation cannot batch
+            if B == 1 and options.drafter == "model":  # HF assisted generation cannot batch, nor read a head
                 keys.append(Key("hf_assisted", T, B))
             keys.append(Key("eager", T, B))
             keys.append(Key("spec", T, B))
-            keys += [Key("spec", T, B, g, "model") for g in [*options.gammas, "auto"]]
+            keys += [Key("spec", T, B, g, options.drafter) for g in [*options.gammas, "auto"]]
             keys.append(Key("spec", T, B, NGRAM_GAMMA, "ngram"))
             if B == 1 and runs_llamacpp(options):
                 keys += [Key("llamacpp", T, B, drafter=weights) for weights in LLAMACPP_WEIGHTS]
@@ -292,11 +306,14 @@ class Models:
     """What the configurations decode with, loaded once, and the prompts they decode."""
     target: object
     tokenizer: object
-    draft: object
+    draft: object               # the draft model, or the EAGLE-3 head
     hf: object
-    hf_draft: object
+    hf_draft: object            # None with a head (HF cannot draft with one)
     prompts: list[list[int]]
     peers: dict[str, LlamaCpp]  # by LLAMACPP_WEIGHTS
+    # With a head: a target of its own, which keeps the features the head reads in every forward
+    # (the other configurations' target must not pay for them). None with a draft model.
+    feature_target: object = None
 
     @property
     def params_ratio(self) -> float:
@@ -309,9 +326,15 @@ def load(options: BenchOptions) -> Models:
 
     engine = Engine.from_pretrained(options.target)
     target, tokenizer = engine.target, engine.tokenizer
-    draft = load_model(options.draft)  # a draft folder may lack tokenizer files (it uses the target's)
+    feature_target = hf_draft = None
+    if options.drafter == "eagle3":
+        feature_target = load_model(options.target)
+        draft = load_eagle3(options.draft, feature_target)
+    else:
+        draft = load_model(options.draft)  # a draft folder may lack tokenizer files (it uses the target's)
     hf = transformers_model(options.target, target.is_encoder_decoder)
-    hf_draft = transformers_model(options.draft, target.is_encoder_decoder)
+    if options.drafter == "model":
+        hf_draft = transformers_model(options.draft, target.is_encoder_decoder)
     if getattr(tokenizer, "chat_template", None):
         prompts = heldout_chat_prompts(tokenizer, options.prompts, max_tokens=256)
     else:
@@ -329,7 +352,7 @@ def load(options: BenchOptions) -> Models:
         peers = {"bf16": LlamaCpp(bf16, n_ctx), "bf16-lookup": LlamaCpp(bf16, n_ctx, lookup=True)}
     elif options.gguf is not None:
         print("llama-cpp-python is not installed: no llama.cpp rows (pip install 'specengine[llamacpp]')")
-    return Models(target, tokenizer, draft, hf, hf_draft, prompts, peers)
+    return Models(target, tokenizer, draft, hf, hf_draft, prompts, peers, feature_target)
 
 
 @dataclass
@@ -349,8 +372,10 @@ class Decoder:
         m = self.models
         if (key.drafter, key.gamma) not in self.engines:
             drafter = {"model": lambda: ModelDrafter(m.draft, m.target.config.vocab_size, len(m.tokenizer)),
+                       "eagle3": lambda: Eagle3Drafter(m.draft, m.target.config.vocab_size, len(m.tokenizer)),
                        "ngram": NgramDrafter, None: lambda: None}[key.drafter]()
-            self.engines[key.drafter, key.gamma] = Engine(m.target, m.tokenizer, drafter, gamma=key.gamma or 1,
+            target = m.feature_target if key.drafter == "eagle3" else m.target
+            self.engines[key.drafter, key.gamma] = Engine(target, m.tokenizer, drafter, gamma=key.gamma or 1,
                                                           time_phases=True)
         return self.engines[key.drafter, key.gamma]
 
@@ -404,8 +429,9 @@ def run(options: BenchOptions, models: Models, keys: list[Key]) -> Measurements:
     decoder, prompts = Decoder(options, models), models.prompts
     for key in tqdm(keys, desc="warm-up"):
         decoder.decode(key, 99, 0, prompts[: key.batch], Tally())
-    costs = {B: measure_costs(models.target, models.draft, max(options.gammas), batch_size=B)
-             for B in options.batches}
+    # c of Theorem 3.8 is a draft model's step against the target's (a head's costs are not modelled)
+    draft = models.draft if options.drafter == "model" else None
+    costs = {B: measure_costs(models.target, draft, max(options.gammas), batch_size=B) for B in options.batches}
     # Interleaved batch by batch: every configuration of a batch size decodes batch i before any
     # decodes batch i + 1, so that a slow stretch of the machine falls on all alike, not on the
     # one configuration that ran through it. The order of the configurations turns by one every
@@ -450,7 +476,7 @@ def derive(options: BenchOptions, models: Models, measured: Measurements, date: 
                    gamma=key.gamma, drafter=key.drafter or "", tokens_per_s=round(rate[key], 2),
                    vs_hf=round(rate[key] / rate[key.at_same("hf")], 3),
                    vs_hf_assisted=round(rate[key] / rate[assisted], 3) if assisted in rate
-                   else "n/a (HF assisted: batch 1 only)",
+                   else "n/a (HF assisted: batch 1, a draft model only)",
                    vs_llamacpp_bf16=round(rate[key] / rate[llamacpp], 3) if llamacpp in rate else "",
                    alpha=round(alpha, 4) if alpha is not None else "",
                    alpha_by_position=alpha_by_position(key_runs),
@@ -557,14 +583,15 @@ def print_tables(rows: list[dict], costs: dict, gammas: list[int]):
         if "round_ms" in row and row["drafter"] != "ngram":
             print(f"  {row['config']:38s} {row['round_ms']:7.2f} = {row['draft_ms_per_round']:6.2f} + "
                   f"{row['verify_ms_per_round']:6.2f} + {row['accept_ms_per_round']:5.2f} + {row['host_ms_per_round']:5.2f}")
-    print("\nAcceptance by draft position (drafts accepted / made at positions 1..gamma), the draft model")
+    print("\nAcceptance by draft position (drafts accepted / made at positions 1..gamma), the draft model or head")
     for row in rows:
-        if row["drafter"] == "model":
+        if row["drafter"] in DRAFT_DRAFTERS:
             print(f"  {row['config']:38s} {row['alpha_by_position'] or 'no drafts'}")
     # The draft model at gamma 4 when it ran (else its largest gamma), the n-gram drafter at NGRAM_GAMMA.
     model_gamma = NGRAM_GAMMA if NGRAM_GAMMA in gammas else max(gammas)
     print("\nPaper Table 3 view: alpha per (drafter, temperature) at the smallest batch")
-    for drafter, g, label in (("model", model_gamma, "draft model"), ("ngram", NGRAM_GAMMA, "n-gram (prompt lookup)")):
+    for drafter, g, label in (("model", model_gamma, "draft model"), ("eagle3", model_gamma, "EAGLE-3 head"),
+                              ("ngram", NGRAM_GAMMA, "n-gram (prompt lookup)")):
         for row in rows:
             if row["drafter"] == drafter and row["gamma"] == g and row["batch"] == rows[0]["batch"]:
                 print(f"  {label:24s} gamma {g} T={row['temperature']:g}: alpha {row['alpha']}")
@@ -598,17 +625,18 @@ def plot(rows: list[dict], runs: dict[Key, list[dict]], gammas: list[int], path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for T in sorted({r["temperature"] for r in rows}):
         pts = [(r["gamma"], r["measured_speedup"], r["predicted_speedup"]) for r in rows
-               if r["drafter"] == "model" and isinstance(r["gamma"], int) and r["batch"] == batch
+               if r["drafter"] in DRAFT_DRAFTERS and isinstance(r["gamma"], int) and r["batch"] == batch
                and r["temperature"] == T]
         if pts:
             g, m, p = zip(*pts)
             axes[0].plot(g, m, "o-", label=f"measured T={T:g}")
-            axes[0].plot(g, p, "x--", label=f"Theorem 3.8 T={T:g}")
+            if "" not in p:  # a head's speed-up is not modelled
+                axes[0].plot(g, p, "x--", label=f"Theorem 3.8 T={T:g}")
     axes[0].axhline(1.0, color="grey", lw=0.5)
     axes[0].set(xlabel="gamma", ylabel=f"speedup over target-only (batch {batch})", title="speedup vs gamma")
     axes[0].legend()
     for key, key_runs in runs.items():
-        if key.drafter == "model" and key.gamma == max(gammas) and key.batch == batch:
+        if key.drafter in DRAFT_DRAFTERS and key.gamma == max(gammas) and key.batch == batch:
             hist = [sum(h) for h in zip(*(r["histogram"] for r in key_runs))]
             axes[1].bar([i + (0.2 if key.temperature else -0.2) for i in range(len(hist))], hist, width=0.4,
                         label=f"T={key.temperature:g}")
