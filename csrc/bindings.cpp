@@ -92,8 +92,8 @@ void linear_bf16_weight_py(uintptr_t x, uintptr_t weight, uintptr_t bias, uintpt
                            int64_t N) {
   if (R < 0 || K < 0 || N < 0) throw std::invalid_argument("R, K and N must be >= 0");
   py::gil_scoped_release release;
-  specengine::linear_bf16_weight(ptr<const float>(x), ptr<const uint16_t>(weight), ptr<const float>(bias),
-                                 ptr<float>(out), R, K, N);
+  specengine::linear_blocks(ptr<const float>(x), specengine::bf16_matrix(ptr<const uint16_t>(weight), K, N),
+                            ptr<const float>(bias), ptr<float>(out), R);
 }
 
 void gemm_bf16_weight_amx_py(uintptr_t x, uintptr_t weight, uintptr_t bias, uintptr_t out, int64_t R, int64_t K,

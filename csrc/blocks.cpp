@@ -1157,6 +1157,12 @@ struct TypeFunctions {
   bool lane_order;           // AVX-512: its weights come in lane order, so x must too (Avx512Blocks)
 };
 
+// bfloat16 weights: linear.cpp's column tiles (x de-interleaved to their pairs of weights).
+void slice_bf16(Path path, const Slice& s, float*) {
+  linear_bf16_columns(path, s.x, reinterpret_cast<const uint16_t*>(s.data), s.bias, s.out, s.R, s.K, s.N, s.begin,
+                      s.end);
+}
+
 template <WeightType T>
 constexpr TypeFunctions functions_of() {
 #ifdef SPECENGINE_X86
@@ -1164,7 +1170,8 @@ constexpr TypeFunctions functions_of() {
 #else
   constexpr bool lanes = false;
 #endif
-  return {T, &run_slice<T>, &dequantize_part_rows<T>, &float_weight<T>, lanes};
+  if constexpr (T == WeightType::BF16) return {T, &slice_bf16, &dequantize_part_rows<T>, &float_weight<T>, lanes};
+  else return {T, &run_slice<T>, &dequantize_part_rows<T>, &float_weight<T>, lanes};
 }
 
 template <size_t... I>
@@ -1210,9 +1217,6 @@ void linear_blocks(const float* x, const Matrix& w, const float* bias, float* ou
       for (int64_t n = 0; n < N; ++n) out[r * N + n] = bias ? bias[n] : 0.f;
     return;
   }
-  // A bfloat16 matrix in one part is linear.cpp's tuned product.
-  if (w.part_count == 1 && w.parts[0].type == WeightType::BF16)
-    return linear_bf16_weight(x, reinterpret_cast<const uint16_t*>(w.parts[0].data), bias, out, R, K, N);
   const Path path = choose_path();
   const int64_t K32 = K & ~(kStep - 1);
   // Buffered paths hold a group of dequantized rows; the AVX-512 one only past kDirectRows rows.

@@ -91,6 +91,13 @@ struct Matrix {
   }
 };
 
+// A dense bfloat16 matrix w [N, K] (raw bits, row-major) as one BF16 part.
+inline Matrix bf16_matrix(const uint16_t* w, int64_t K, int64_t N) {
+  Matrix m{K, 1, {}};
+  m.parts[0] = {WeightType::BF16, reinterpret_cast<const uint8_t*>(w), N};
+  return m;
+}
+
 // out[r, n] = bias[n] + sum_k x[r, k] * w[n, k] for the few rows of decoding and verification
 // (R = 1 .. 32; any R works). Each weight block is read from memory once per call for all R rows:
 // dequantized into registers (a few rows) or an L1 buffer (more), then multiplied against every

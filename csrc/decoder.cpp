@@ -1,5 +1,5 @@
 // A whole decoder layer (Llama) or decoder block (T5) in one call (see decoder.h), composed of
-// the layer ops of layers.h, blocks.h and linear.h. Measured on the 2-core machine this was
+// the layer ops of layers.h and blocks.h. Measured on the 2-core machine this was
 // written on, the Python and torch calls between those ops cost about 0.45 ms per layer of the
 // shipped target (3.7 of its 9.1 ms step) and 0.8 ms per layer of the draft.
 #include "decoder.h"
@@ -11,7 +11,6 @@
 #include "blocks.h"
 #include "cpu_features.h"
 #include "layers.h"
-#include "linear.h"
 #include "vector_math.h"
 
 namespace specengine {
@@ -120,26 +119,26 @@ void t5_decoder_block(const T5BlockWeights& w, const T5Step& step, float* x) {
 
   // Self-attention: q, k and v stay packed in `projected`, read in place.
   rms_norm(x, w.self_norm, normed.data(), R, w.hidden, w.eps);
-  linear_bf16_weight(normed.data(), w.qkv, nullptr, projected.data(), R, w.hidden, 3 * inner);
+  linear_blocks(normed.data(), bf16_matrix(w.qkv, w.hidden, 3 * inner), nullptr, projected.data(), R);
   const float* q = projected.data();
   relative_attention(q, 3 * inner, q + inner, q + 2 * inner, 3 * inner, 3 * inner, step.positions, step.cache_k,
                      step.cache_v, step.capacity, step.cache_row_stride, step.kv_len, step.bias_table, mixed.data(),
                      step.B, step.T, w.H, w.D);
-  linear_bf16_weight(mixed.data(), w.self_o, nullptr, back.data(), R, inner, w.hidden);
+  linear_blocks(mixed.data(), bf16_matrix(w.self_o, inner, w.hidden), nullptr, back.data(), R);
   add_into(x, back.data(), R * w.hidden);
 
   // Cross-attention over the encoder's keys (nothing written).
   rms_norm(x, w.cross_norm, normed.data(), R, w.hidden, w.eps);
-  linear_bf16_weight(normed.data(), w.cross_q, nullptr, projected.data(), R, w.hidden, inner);
+  linear_blocks(normed.data(), bf16_matrix(w.cross_q, w.hidden, inner), nullptr, projected.data(), R);
   relative_attention(projected.data(), inner, nullptr, nullptr, 0, 0, step.source_last, step.cross_k, step.cross_v,
                      step.source_capacity, step.cross_row_stride, step.source_capacity, nullptr, mixed.data(), step.B,
                      step.T, w.H, w.D);
-  linear_bf16_weight(mixed.data(), w.cross_o, nullptr, back.data(), R, inner, w.hidden);
+  linear_blocks(mixed.data(), bf16_matrix(w.cross_o, inner, w.hidden), nullptr, back.data(), R);
   add_into(x, back.data(), R * w.hidden);
 
   // Feed-forward.
   rms_norm(x, w.ff_norm, normed.data(), R, w.hidden, w.eps);
-  linear_bf16_weight(normed.data(), w.wi, nullptr, projected.data(), R, w.hidden, wi_rows);
+  linear_blocks(normed.data(), bf16_matrix(w.wi, w.hidden, wi_rows), nullptr, projected.data(), R);
   for (int64_t r = 0; r < R; ++r) {
     const float* h = projected.data() + r * wi_rows;
     float* o = mixed.data() + r * w.d_ff;
@@ -149,7 +148,7 @@ void t5_decoder_block(const T5BlockWeights& w, const T5Step& step, float* x) {
       for (int64_t i = 0; i < w.d_ff; ++i) o[i] = activate(h[i], w.activation);
     }
   }
-  linear_bf16_weight(mixed.data(), w.wo, nullptr, back.data(), R, w.d_ff, w.hidden);
+  linear_blocks(mixed.data(), bf16_matrix(w.wo, w.d_ff, w.hidden), nullptr, back.data(), R);
   add_into(x, back.data(), R * w.hidden);
 }
 

@@ -38,8 +38,7 @@ struct AttentionStep {
 // x [B * T, hidden] float32, contiguous, updated in place to the layer's output:
 //   x += o_proj(attention(rope(qkv_proj(rms_norm(x)))))
 //   x += down_proj(silu(gate) * up), [gate, up] = gate_up_proj(rms_norm(x))
-// the same arithmetic as the model's per-op CPU path (rms_norm, linear_blocks or
-// linear_bf16_weight, cached_attention), in one call: the shipped models' layers are so small that the Python and
+// the same arithmetic as the model's per-op CPU path (rms_norm, linear_blocks, cached_attention), in one call: the shipped models' layers are so small that the Python and
 // torch dispatch between those ops cost as much as the ops. The host wrapper
 // (specengine/ops/decoder_layer.py) validates and allocates.
 void decoder_layer(const DecoderLayerWeights& w, const AttentionStep& step, float* x);

@@ -1,7 +1,7 @@
 // Few-row matrix products with bfloat16 weights (see linear.h).
 //
-// Work is split over output columns: each thread owns a slice of the weight matrix and
-// streams it once, computing every row of x against a few weight rows at a time while
+// Work is split over output columns (by linear_blocks): each thread owns a slice of the weight
+// matrix and streams it once, computing every row of x against a few weight rows at a time while
 // those rows sit in L1. x (at most a few rows of a few KB) stays in L2 for the whole call.
 // On the 2-core AVX2 machine this was first written on, one row is bound by memory bandwidth
 // and five or more rows by the FMA units (about 23 GFLOP/s per core, measured by a bare FMA loop
@@ -14,9 +14,6 @@
 
 #include "cpu_features.h"
 #include "vector_math.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace specengine {
 namespace {
@@ -121,18 +118,17 @@ SPECENGINE_AVX2 void columns_avx2(const float* x, const float* x_split, const ui
   if (n < n_end) column_group<1>(x, x_split, K16, w, bias, out, R, K, N, n);
 }
 
-// x [R, K] -> [R, K & ~(block - 1)]: per block, its even-indexed entries, then its odd ones
+// x [R, K] -> split [R, K & ~(block - 1)]: per block, its even-indexed entries, then its odd ones
 // (block 16 for the AVX2 tiles, 32 for the AVX-512 ones).
-std::vector<float> deinterleave_x(const float* x, int64_t R, int64_t K, int64_t block) {
+void deinterleave_x(const float* x, int64_t R, int64_t K, int64_t block, std::vector<float>& split) {
   const int64_t whole = K & ~(block - 1), half = block / 2;
-  std::vector<float> split(static_cast<size_t>(R * whole));
+  if (split.size() < static_cast<size_t>(R * whole)) split.resize(static_cast<size_t>(R * whole));
   for (int64_t r = 0; r < R; ++r)
     for (int64_t k = 0; k < whole; k += block)
       for (int64_t i = 0; i < half; ++i) {
         split[r * whole + k + i] = x[r * K + k + 2 * i];
         split[r * whole + k + half + i] = x[r * K + k + 2 * i + 1];
       }
-  return split;
 }
 
 // The AVX-512 form of tile: 32 bfloat16 weights per 512-bit load, x de-interleaved per block
@@ -201,38 +197,21 @@ SPECENGINE_AVX512 void columns_avx512(const float* x, const float* x_split, cons
 
 }  // namespace
 
-void linear_bf16_weight(const float* x, const uint16_t* w, const float* bias, float* out, int64_t R, int64_t K,
-                        int64_t N) {
+void linear_bf16_columns(VectorPath path, const float* x, const uint16_t* w, const float* bias, float* out,
+                         int64_t R, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
 #ifdef SPECENGINE_X86
-  const bool avx512 = use_avx512(), avx2 = !avx512 && use_avx2();
-  const std::vector<float> x_split =
-      avx512 ? deinterleave_x(x, R, K, 32) : avx2 ? deinterleave_x(x, R, K, 16) : std::vector<float>();
-#endif
-  // Column pairs are the unit of work, so every thread's slice starts on an even column.
-  const int64_t pairs = (N + 1) / 2;
-  // Below this many weight bytes a second thread costs more to wake than it saves.
-  const bool parallel = N * K >= (int64_t{1} << 16);
-#pragma omp parallel if (parallel)
-  {
-#ifdef _OPENMP
-    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-    const int64_t threads = 1, id = 0;
-#endif
-    const int64_t n_begin = std::min(N, 2 * (pairs * id / threads));
-    const int64_t n_end = std::min(N, 2 * (pairs * (id + 1) / threads));
-#ifdef SPECENGINE_X86
-    if (avx512) {
-      columns_avx512(x, x_split.data(), w, bias, out, R, K, N, n_begin, n_end);
-    } else if (avx2) {
-      columns_avx2(x, x_split.data(), w, bias, out, R, K, N, n_begin, n_end);
-    } else {
-      columns_generic(x, w, bias, out, R, K, N, n_begin, n_end);
-    }
-#else
-    columns_generic(x, w, bias, out, R, K, N, n_begin, n_end);
-#endif
+  // Each thread de-interleaves x for its own slice: R * K floats against its (n_end - n_begin) * K weights.
+  thread_local std::vector<float> x_split;
+  if (path == VectorPath::avx512) {
+    deinterleave_x(x, R, K, 32, x_split);
+    return columns_avx512(x, x_split.data(), w, bias, out, R, K, N, n_begin, n_end);
   }
+  if (path == VectorPath::avx2) {
+    deinterleave_x(x, R, K, 16, x_split);
+    return columns_avx2(x, x_split.data(), w, bias, out, R, K, N, n_begin, n_end);
+  }
+#endif
+  columns_generic(x, w, bias, out, R, K, N, n_begin, n_end);
 }
 
 }  // namespace specengine

@@ -93,35 +93,11 @@ LAYOUT = {t.type_id: (t.block_size, t.block_bytes) for t in BY_ID.values()}
 FLOAT_TYPES = tuple(t.type_id for t in BY_ID.values() if t.is_float)
 
 
-# A type's block bytes and field offsets (kernels/weight_types.py), read while a kernel compiles.
+# A field of a type's layout (kernels/weight_types.py: block_bytes, or the byte offset of d, m,
+# scales, qh or qs in a block), read while a kernel compiles: _layout(TYPE, "qs").
 @triton.constexpr_function
-def _block_bytes(type_id):
-    return BY_ID[type_id].block_bytes
-
-
-@triton.constexpr_function
-def _d_at(type_id):
-    return BY_ID[type_id].d
-
-
-@triton.constexpr_function
-def _m_at(type_id):
-    return BY_ID[type_id].m
-
-
-@triton.constexpr_function
-def _scales_at(type_id):
-    return BY_ID[type_id].scales
-
-
-@triton.constexpr_function
-def _qh_at(type_id):
-    return BY_ID[type_id].qh
-
-
-@triton.constexpr_function
-def _qs_at(type_id):
-    return BY_ID[type_id].qs
+def _layout(type_id, field):
+    return getattr(BY_ID[type_id], field)
 
 
 GROUP = tl.constexpr(32)  # weights per dequantized group (the K slice of one step)
@@ -215,37 +191,37 @@ def _dequant(w_ptr, row_at, row_ok, k0, K, TYPE: tl.constexpr, EXACT: tl.constex
         bits = tl.load(rows[:, None] + (k0 + j)[None, :], mask=ok, other=0).to(tl.int32)
         w = (bits << 16).to(tl.float32, bitcast=True)
     elif TYPE == Q8_0:  # d, 32 int8: q * d
-        block = rows + g * _block_bytes(TYPE)
-        d = _f16_at(block + _d_at(TYPE), row_ok)
-        q = tl.load(block[:, None] + _qs_at(TYPE) + j[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
+        block = rows + g * _layout(TYPE, "block_bytes")
+        d = _f16_at(block + _layout(TYPE, "d"), row_ok)
+        q = tl.load(block[:, None] + _layout(TYPE, "qs") + j[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
         w = q.to(tl.float32) * d[:, None]
     elif (TYPE == Q4_0) | (TYPE == Q4_1) | (TYPE == Q5_0) | (TYPE == Q5_1):
         # d (Q4_1, Q5_1: and m), (Q5: 4 bytes of high bits qh, bit j for weight j), 16 bytes of
         # nibbles qs: weight j < 16 the low nibble of byte j, weight 16 + j its high nibble.
-        block = rows + g * _block_bytes(TYPE)
-        d = _f16_at(block + _d_at(TYPE), row_ok)[:, None]
-        q = (_byte_at(block[:, None] + _qs_at(TYPE) + (j % 16)[None, :], ok) >> ((j // 16) * 4)[None, :]) & 0x0F
+        block = rows + g * _layout(TYPE, "block_bytes")
+        d = _f16_at(block + _layout(TYPE, "d"), row_ok)[:, None]
+        q = (_byte_at(block[:, None] + _layout(TYPE, "qs") + (j % 16)[None, :], ok) >> ((j // 16) * 4)[None, :]) & 0x0F
         if (TYPE == Q5_0) | (TYPE == Q5_1):
-            high = (_byte_at(block[:, None] + _qh_at(TYPE) + (j // 8)[None, :], ok) >> (j % 8)[None, :]) & 1
+            high = (_byte_at(block[:, None] + _layout(TYPE, "qh") + (j // 8)[None, :], ok) >> (j % 8)[None, :]) & 1
             q = q | (high << 4)
         if TYPE == Q4_0:
             w = d * (q - 8).to(tl.float32)
         elif TYPE == Q5_0:
             w = d * (q - 16).to(tl.float32)
         else:  # (d * q) + m
-            w = _mul_add(d, q.to(tl.float32), _f16_at(block + _m_at(TYPE), row_ok)[:, None], EXACT)
+            w = _mul_add(d, q.to(tl.float32), _f16_at(block + _layout(TYPE, "m"), row_ok)[:, None], EXACT)
     elif (TYPE == Q4_K) | (TYPE == Q5_K):
         # d, dmin (m), 12 bytes of sub-block scales and mins, (Q5_K: 32 bytes qh, bit s of byte j
         # for weight j of sub-block s), 128 bytes of nibbles qs: sub-blocks 2c and 2c + 1 the low
         # and high nibbles of bytes 32c .. 32c + 31. Weight: (d * scale) * q - (dmin * min).
         s = g % 8
-        block = rows + (g // 8) * _block_bytes(TYPE)
-        sc, mn = _scale_min_k4(block + _scales_at(TYPE), s, row_ok)
-        scale = _f16_at(block + _d_at(TYPE), row_ok) * sc
-        shift = _f16_at(block + _m_at(TYPE), row_ok) * mn
-        q = (_byte_at(block[:, None] + _qs_at(TYPE) + (s // 2) * 32 + j[None, :], ok) >> ((s % 2) * 4)) & 0x0F
+        block = rows + (g // 8) * _layout(TYPE, "block_bytes")
+        sc, mn = _scale_min_k4(block + _layout(TYPE, "scales"), s, row_ok)
+        scale = _f16_at(block + _layout(TYPE, "d"), row_ok) * sc
+        shift = _f16_at(block + _layout(TYPE, "m"), row_ok) * mn
+        q = (_byte_at(block[:, None] + _layout(TYPE, "qs") + (s // 2) * 32 + j[None, :], ok) >> ((s % 2) * 4)) & 0x0F
         if TYPE == Q5_K:
-            q = q | (((_byte_at(block[:, None] + _qh_at(TYPE) + j[None, :], ok) >> s) & 1) << 4)
+            q = q | (((_byte_at(block[:, None] + _layout(TYPE, "qh") + j[None, :], ok) >> s) & 1) << 4)
         w = _mul_sub(scale[:, None], q.to(tl.float32), shift[:, None], EXACT)
     else:
         tl.static_assert(TYPE == Q6_K, "unknown weight type")
@@ -255,12 +231,13 @@ def _dequant(w_ptr, row_at, row_ok, k0, K, TYPE: tl.constexpr, EXACT: tl.constex
         t = g % 8
         h = t // 4
         c = t % 4
-        block = rows + (g // 8) * _block_bytes(TYPE)
-        low = (_byte_at(block[:, None] + _qs_at(TYPE) + 64 * h + 32 * (c % 2) + j[None, :], ok) >> ((c // 2) * 4)) & 0x0F
-        high = (_byte_at(block[:, None] + _qh_at(TYPE) + 32 * h + j[None, :], ok) >> (2 * c)) & 3
+        block = rows + (g // 8) * _layout(TYPE, "block_bytes")
+        low_at = block[:, None] + _layout(TYPE, "qs") + 64 * h + 32 * (c % 2) + j[None, :]
+        low = (_byte_at(low_at, ok) >> ((c // 2) * 4)) & 0x0F
+        high = (_byte_at(block[:, None] + _layout(TYPE, "qh") + 32 * h + j[None, :], ok) >> (2 * c)) & 3
         q = (low | (high << 4)) - 32
-        d = _f16_at(block + _d_at(TYPE), row_ok)
-        scales = block + _scales_at(TYPE) + 2 * t
+        d = _f16_at(block + _layout(TYPE, "d"), row_ok)
+        scales = block + _layout(TYPE, "scales") + 2 * t
         first = d * tl.load(scales, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         second = d * tl.load(scales + 1, mask=row_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         w = tl.where((j < 16)[None, :], first[:, None], second[:, None]) * q.to(tl.float32)

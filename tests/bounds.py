@@ -57,7 +57,8 @@ errors stay far inside: against every instruction-set path here, transformers' f
 included, the largest was 3.6% of the bound (SmolLM2's 30 layers and the tiny test models
 alike). The bound is a property of the computation, not of a machine. The float64 reference
 takes its rotary tables from the model (float32 tables, as transformers and this engine both
-build them), so it carries the tables' error itself: their term is counted twice.
+build them), so it carries the tables' error itself: their term is counted twice. Float64T5 does
+the same for T5 encoder-decoders (its relative-position biases are table lookups, exact inputs).
 
 Tokens across different arithmetic: a greedy token is certain where the exact top logit less
 its bound exceeds every other logit plus its bound; every float32 computation within the bound
@@ -344,16 +345,22 @@ def _rope(x, cos, sin, table_error, r: _Roundings):
     return r(y, walk(2) * ((x * cos).abs() + (rotated * sin).abs()) + (x.abs() + rotated.abs()) * table_error)
 
 
-def _attention(q, k, v, visible, scale, r: _Roundings):
-    """q [Tq, H, D], k and v [Tk, Hkv, D], visible [Tq, Tk]: out [Tq, H * D], the roundings of
-    tracked_attention simulated: on the scores (D + 2 roundings), on s - max, on each weight
+def _attention(q, k, v, visible, scale, r: _Roundings, score_bias=None):
+    """q [Tq, H, D], k and v [Tk, Hkv, D], visible [Tq, Tk], score_bias [H, Tq, Tk] or None: out
+    [Tq, H * D], the roundings of tracked_attention simulated: on the scores (D + 2 roundings,
+    and one more for adding a bias), on s - max, on each weight
     exp(s - max) (the function's C_F u, and the online softmax's up to n rescalings: sqrt(n) u),
     on the weighted sum (2n + 2 roundings) and on the total (2n) and the division (2)."""
     Tq, H, D = q.shape
     group = H // k.shape[1]
     kk, vv = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))  # [H, Tk, D]
     qq = q.transpose(0, 1)
-    s = r(scale * qq @ kk.transpose(1, 2), walk(D + 2) * scale * (qq.abs() @ kk.abs().transpose(1, 2)))
+    s = scale * qq @ kk.transpose(1, 2)
+    s_error = walk(D + 2) * scale * (qq.abs() @ kk.abs().transpose(1, 2))
+    if score_bias is not None:
+        s = s + score_bias
+        s_error = s_error + U * s.abs()
+    s = r(s, s_error)
     z = torch.where(visible, s - s.masked_fill(~visible, float("-inf")).amax(-1, keepdim=True), 0.0)
     z = r(z, U * z.abs())
     n = visible.sum(-1).double()[None, :, None]  # [1, Tq, 1]
@@ -379,6 +386,30 @@ def _silu_mul(gate, up, r: _Roundings):
     a = gate * torch.sigmoid(gate)
     a = r(a, (C_F + 3) * U * a.abs())
     y = a * up
+    return r(y, U * y.abs())
+
+
+def _relu(x, r: _Roundings):
+    """max(x, 0): exact."""
+    return x.clamp(min=0)
+
+
+def _gelu_tanh(x, r: _Roundings):
+    """transformers' gelu_new, g = x/2 (1 + tanh(z)), z = c (x + a x^3): z's few roundings
+    (its float32 constants, the cube, the sum and the product) within 4 u |c| (|x| + a |x|^3),
+    moving tanh by at most (1 - t^2) times that; tanh within C_F u; 1 + t one rounding; x/2 times
+    it one more, and one for the product: absolute, |x|/2 ((C_F + 1) u + (1 - t^2) 4 u |z|) + 2 u |g|."""
+    c, a = (2 / torch.pi) ** 0.5, 0.044715
+    z = c * (x + a * x.pow(3))
+    t = torch.tanh(z)
+    g = 0.5 * x * (1 + t)
+    z_error = 4 * U * c * (x.abs() + a * x.abs().pow(3))
+    return r(g, 0.5 * x.abs() * ((C_F + 1) * U + (1 - t * t) * z_error) + 2 * U * g.abs())
+
+
+def _mul(a, b, r: _Roundings):
+    """One rounding of the product."""
+    y = a * b
     return r(y, U * y.abs())
 
 
@@ -580,6 +611,146 @@ class Float64Llama:
             return torch.stack(outs), ks, vs
         return _estimate(run)
 
+    def continuation_logits(self, prompt: list[int], continuation: list[int]) -> Logits:
+        """Logits [len(continuation), V] of the positions that predict each token of the
+        continuation of prompt (the token before it fed)."""
+        start = len(prompt) - 1
+        return self.logits(prompt + list(continuation[:-1]))[start:start + len(continuation)]
+
+
+# ---- T5 encoder-decoder models: the same, for original T5 and v1.1 ------------------------------
+
+@dataclass
+class _T5Attention:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    norm: torch.Tensor
+
+
+@dataclass
+class _T5Block:
+    self_attn: _T5Attention
+    ff_norm: torch.Tensor
+    wi: tuple[torch.Tensor, ...]  # (wi,) or gated (wi_0, wi_1)
+    wo: torch.Tensor
+    cross_attn: _T5Attention | None = None  # decoder blocks
+
+
+class Float64T5:
+    """A T5 encoder-decoder (original T5, v1.1 / Flan-T5) evaluated in float64 on transformers'
+    weights, with bounds on a float32 computation's error as Float64Llama's (module docstring):
+    the encoder, the decoder and the head carry every operation's simulated rounding, and the
+    relative-position biases are exact inputs (a table lookup). Checked once against
+    transformers' own float64 forward of the same weights."""
+
+    def __init__(self, hf, cross_check: bool = True):
+        from transformers.models.t5.modeling_t5 import T5Attention
+
+        c = hf.config
+        assert c.dense_act_fn in ("relu", "gelu_new"), c.dense_act_fn
+        self.config, self.bucket = c, T5Attention._relative_position_bucket
+        self.heads, self.d_kv, self.eps = c.num_heads, c.d_kv, c.layer_norm_epsilon
+        self.gated, self.activation = c.is_gated_act, _relu if c.dense_act_fn == "relu" else _gelu_tanh
+        self.scale_output = c.d_model ** -0.5 if c.scale_decoder_outputs else None
+        self.start = c.decoder_start_token_id
+
+        def attention(layer, attn):
+            return _T5Attention(_f64(attn.q.weight), _f64(attn.k.weight), _f64(attn.v.weight), _f64(attn.o.weight),
+                                _f64(layer.layer_norm.weight))
+
+        def block(b):
+            ff = b.layer[-1]
+            dense = ff.DenseReluDense
+            wi = (_f64(dense.wi_0.weight), _f64(dense.wi_1.weight)) if self.gated else (_f64(dense.wi.weight),)
+            cross = attention(b.layer[1], b.layer[1].EncDecAttention) if len(b.layer) == 3 else None
+            return _T5Block(attention(b.layer[0], b.layer[0].SelfAttention), _f64(ff.layer_norm.weight), wi,
+                            _f64(dense.wo.weight), cross)
+
+        self.embed, self.lm_head = _f64(hf.shared.weight), _f64(hf.lm_head.weight)
+        self.encoder_blocks, self.decoder_blocks = [block(b) for b in hf.encoder.block], [block(b) for b in
+                                                                                          hf.decoder.block]
+        self.encoder_norm = _f64(hf.encoder.final_layer_norm.weight)
+        self.decoder_norm = _f64(hf.decoder.final_layer_norm.weight)
+        self.encoder_bias_table = _f64(hf.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight)
+        self.decoder_bias_table = _f64(hf.decoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight)
+        self.hf = hf if cross_check else None
+        self._cache = {}
+
+    def _position_bias(self, table, queries: int, keys: int, bidirectional: bool) -> torch.Tensor:
+        """[H, queries, keys]: the bias of key j for query i, by the bucket of j - i."""
+        offsets = torch.arange(keys)[None, :] - torch.arange(queries)[:, None]
+        buckets = self.bucket(offsets, bidirectional, self.config.relative_attention_num_buckets,
+                              self.config.relative_attention_max_distance)
+        return table[buckets].permute(2, 0, 1)
+
+    def _attend(self, a: _T5Attention, x, memory, visible, bias, r):
+        """x + o(attention(q(norm x), k and v of memory (norm x itself when None)))."""
+        h = _rms_norm(x, a.norm, self.eps, r)
+        source = h if memory is None else memory
+        q = _linear(h, a.q, None, 1, r).view(len(h), self.heads, self.d_kv)
+        k, v = (_linear(source, w, None, 1, r).view(len(source), self.heads, self.d_kv) for w in (a.k, a.v))
+        return _add(x, _linear(_attention(q, k, v, visible, 1.0, r, bias), a.o, None, 1, r), r)
+
+    def _feed_forward(self, b: _T5Block, x, r):
+        h = _rms_norm(x, b.ff_norm, self.eps, r)
+        if self.gated:
+            h = _mul(self.activation(_linear(h, b.wi[0], None, 1, r), r), _linear(h, b.wi[1], None, 1, r), r)
+        else:
+            h = self.activation(_linear(h, b.wi[0], None, 1, r), r)
+        return _add(x, _linear(h, b.wo, None, 1, r), r)
+
+    def _forward(self, source: list[int], decoder: list[int], r: _Roundings) -> torch.Tensor:
+        S, T = len(source), len(decoder)
+        x = self.embed[torch.tensor(source)]
+        everything = torch.ones(S, S, dtype=torch.bool)
+        bias = self._position_bias(self.encoder_bias_table, S, S, True)
+        for b in self.encoder_blocks:
+            x = self._feed_forward(b, self._attend(b.self_attn, x, None, everything, bias, r), r)
+        memory = _rms_norm(x, self.encoder_norm, self.eps, r)
+        y = self.embed[torch.tensor(decoder)]
+        causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
+        bias = self._position_bias(self.decoder_bias_table, T, T, False)
+        sees_source = torch.ones(T, S, dtype=torch.bool)
+        for b in self.decoder_blocks:
+            y = self._attend(b.self_attn, y, None, causal, bias, r)
+            y = self._feed_forward(b, self._attend(b.cross_attn, y, memory, sees_source, None, r), r)
+        y = _rms_norm(y, self.decoder_norm, self.eps, r)
+        if self.scale_output is not None:
+            y = y * self.scale_output
+            y = r(y, U * y.abs())
+        return _linear(y, self.lm_head, None, 1, r)
+
+    def _transformers_float64(self, source: list[int], decoder: list[int]) -> torch.Tensor:
+        hf64 = copy.deepcopy(self.hf).to(torch.float64)
+        for module in hf64.modules():  # T5LayerNorm takes its mean of squares in float32 whatever the dtype
+            if type(module).__name__ == "T5LayerNorm":
+                module.forward = lambda h, m=module: m.weight * h * torch.rsqrt(
+                    h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+        with torch.no_grad(), _one_thread():
+            return hf64(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([decoder])).logits[0]
+
+    def logits(self, source: list[int], decoder: list[int]) -> Logits:
+        """Exact logits [len(decoder), V] of the decoder tokens (the start token first) given the
+        encoder's source tokens, and the bound on a float32 forward's error in them. Cached."""
+        key = (tuple(source), tuple(decoder))
+        if key not in self._cache:
+            (exact,), (spread,) = _estimate(lambda r: (self._forward(list(source), list(decoder), r),))
+            if self.hf is not None:
+                # transformers' float64 forward agrees to float64 rounding, far inside the bound
+                assert within(exact, self._transformers_float64(list(source), list(decoder)), 1e-3 * spread), \
+                    "the float64 reference is not transformers' T5"
+                self.hf = None
+            self._cache[key] = Logits(exact, spread)
+        return self._cache[key]
+
+    def continuation_logits(self, prompt: list[int], continuation: list[int]) -> Logits:
+        """Logits [len(continuation), V] of the decoder positions that predict each token of a
+        continuation of the encoder's prompt (the decoder fed the start token, then the
+        continuation's tokens before it)."""
+        return self.logits(prompt, [self.start] + list(continuation[:-1]))[:len(continuation)]
+
 
 # ---- tokens across different arithmetic ------------------------------------------------------
 
@@ -592,8 +763,8 @@ def certain_argmax(logits: Logits) -> torch.Tensor:
     return (low > others.amax(-1, keepdim=True))[:, 0]
 
 
-def assert_greedy_tokens_agree(got: list[int], want: list[int], reference: Float64Llama, prompt: list[int],
-                               min_certain: int = 1) -> int:
+def assert_greedy_tokens_agree(got: list[int], want: list[int], reference: Float64Llama | Float64T5,
+                               prompt: list[int], min_certain: int = 1) -> int:
     """Greedy continuations of `prompt` by two float32 computations (ours and another's) take the
     exact argmax wherever it is certain (certain_argmax), and are equal up to their first
     difference, which may only come where it is not: there the top exact logits lie within the
@@ -602,7 +773,7 @@ def assert_greedy_tokens_agree(got: list[int], want: list[int], reference: Float
     min_certain positions must be certain ones (a property of the exact logits, the same on
     every machine), so the check is never empty. Returns how many tokens were compared."""
     n = min(len(got), len(want))
-    logits = reference.logits(prompt + want[:n - 1])[len(prompt) - 1:]
+    logits = reference.continuation_logits(prompt, want[:n])
     certain = certain_argmax(logits)
     leading = int(certain.long().cumprod(0).sum())
     assert leading >= min(min_certain, n), (f"a near tie of the exact logits at token {leading}: fewer than "

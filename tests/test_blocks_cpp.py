@@ -206,7 +206,7 @@ def test_prompt_sized_products_cross_panels_and_parts(isa):
 @pytest.mark.parametrize("N", [(64, 16, 16), (7, 5, 3), (1, 1, 1)])
 def test_mixed_type_parts_match_the_reference(N, isa):
     """A Q4_K_M file's packed q, k, v (Q4_K, Q4_K, Q6_K), a mix of legacy and float parts, and
-    bfloat16 parts (which, more than one, run in blocks.cpp rather than linear.cpp)."""
+    bfloat16 parts beside a float32 one."""
     rng = np.random.default_rng(sum(N))
     g = torch.Generator().manual_seed(sum(N))
     mixes = [((WeightType.Q4_K, 512), (WeightType.Q4_K, 512), (WeightType.Q6_K, 512)),
@@ -219,6 +219,33 @@ def test_mixed_type_parts_match_the_reference(N, isa):
             for R in (1, 3, 5, 17, 33):
                 check_product(m, torch.randn(R, m.in_features, generator=g), torch.randn(sum(N), generator=g))
             check_product(m, torch.randn(2, 3, m.in_features, generator=g), None)  # [B, T, K]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bfloat16_parts_give_the_bits_of_the_dense_bfloat16_product(isa):
+    """A bfloat16 matrix has one product (the BF16 entry of blocks.cpp's type table): in one part,
+    split in parts (a packed q, k, v) or as a dense tensor, on 1 and 2 threads, the same bits."""
+    from specengine.ops.linear import linear_bf16_weight
+
+    g = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    with cpu_isa_limit(isa):
+        for N, K, R in ((7, 45, 1), (96, 576, 3), (130, 33, 5), (64, 1536, 17)):
+            w, bias = (torch.randn(N, K, generator=g) * 0.1).bfloat16(), torch.randn(N, generator=g)
+            x = torch.randn(R, K, generator=g)
+            as_bytes = lambda rows: rows.view(torch.uint8).reshape(len(rows), 2 * K)  # noqa: E731
+            one = BlockMatrix((MatrixPart(WeightType.BF16, as_bytes(w)),))
+            split = BlockMatrix(tuple(MatrixPart(WeightType.BF16, as_bytes(rows)) for rows in w.split(N // 3 + 1)))
+            try:
+                torch.set_num_threads(1)
+                want = linear_bf16_weight(x, w, bias, impl="cpp")
+                assert within_product_bound(want, x, w.float(), bias)  # a product of these weights
+                torch.set_num_threads(2)
+                for m in (one, split):
+                    assert torch.equal(linear_blocks(x, m, bias, impl="cpp"), want), (N, K, R, len(m.parts))
+                assert torch.equal(linear_bf16_weight(x, w, bias, impl="cpp"), want)
+            finally:
+                torch.set_num_threads(threads)
 
 
 # csrc/blocks.cpp's AVX-512 path reads these formats' weights in "lane order" (lane l of each 16 holds

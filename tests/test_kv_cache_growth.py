@@ -198,6 +198,21 @@ def test_moving_rows_copies_them_up_to_their_lengths(monkeypatch):
     assert torch.isnan(cache.k[:, 1, 5:]).all()  # what row 1 had there (nothing), not row 3's stale entries
 
 
+def test_rows_of_equal_lengths_move_together_each_read_before_any_is_written(monkeypatch):
+    """Rows leaving from the middle: the moved rows of each length go in one gather, and row 3, a
+    source of the length-3 rows, is a destination of the length-4 ones: every row moved holds
+    its own entries exactly, up to its length and no further."""
+    monkeypatch.setattr(kv_cache, "unwritten", nan_memory)
+    lengths = [4, 3, 4, 3, 2, 4, 3]
+    cache = numbered_cache(7, 8, filled=lengths, lengths=lengths)
+    cache.keep_rows([2, 3, 4, 5, 6])
+    assert cache.lengths.tolist() == [4, 3, 2, 4, 3]
+    for row, source in enumerate([2, 3, 4, 5, 6]):
+        assert_holds(cache, row, source, lengths[source])
+    # row 2 takes row 4's 2 entries and nothing more: its own old entries 2 and 3 stay
+    assert torch.equal(cache.k[:, 2, 2:4, 0, 0], torch.tensor([[202.0, 203.0]] * 2))
+
+
 def test_promoting_staged_rows_out_of_order_reads_each_before_writing(monkeypatch):
     """Staged rows 0 and 2 of three finish first: they come first, the unfinished row 1 follows
     (rows 2 and 3 trade places: each is read before either is written)."""

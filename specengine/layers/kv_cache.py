@@ -143,11 +143,26 @@ class StaticKVCache:
         return [min(n, self.capacity) for n in lengths]
 
     def _copy_rows(self, k: torch.Tensor, v: torch.Tensor, to: list[int], rows: list[int], positions: list[int]):
-        """Row to[i] of this cache takes the first positions[i] entries of row rows[i] of k, v, in
-        order (a row read after it was written reads what was written)."""
+        """Row to[i] of this cache takes the first positions[i] entries of row rows[i] of k, v
+        [layers, rows, positions, Hkv, D] (which may be this cache's own: every row is read before
+        any is written). One gather a class of rows with equal counts; on a CPU each row copies
+        only its own count, on an accelerator every row the largest (one gather in all: launches
+        cost more there than the stale entries past a row's length)."""
+        if k.device.type != "cpu" and positions:
+            positions = [max(positions)] * len(positions)
+        classes: dict[int, tuple[list[int], list[int]]] = {}
         for i, r, count in zip(to, rows, positions):
-            self.k[:, i, :count] = k[:, r, :count]
-            self.v[:, i, :count] = v[:, r, :count]
+            if count > 0:
+                dest, source = classes.setdefault(count, ([], []))
+                dest.append(i)
+                source.append(r)
+        reads = []
+        for count, (dest, source) in classes.items():
+            index = torch.tensor(source, device=k.device)
+            reads.append((torch.tensor(dest, device=self.k.device), count, k[:, index, :count], v[:, index, :count]))
+        for dest_index, count, k_rows, v_rows in reads:
+            self.k[:, dest_index, :count] = k_rows
+            self.v[:, dest_index, :count] = v_rows
 
     def add_rows(self, count: int) -> "StaticKVCache":
         """Append `count` empty rows (reserve room first) and return a cache of just those rows, a
@@ -224,14 +239,7 @@ class StaticKVCache:
             return
         moves = [(i, r) for i, r in enumerate(rows) if r != i]
         to, sources = [i for i, _ in moves], [r for _, r in moves]
-        positions = self._held(sources)
-        if all(r > i for i, r in moves):
-            # Rows moving to the front (requests that left): in order, each row is read before
-            # any later move writes it.
-            self._copy_rows(self.k, self.v, to, sources, positions)
-        else:  # staged rows reordered (promote): a row may be written before it is read, so all are read first
-            n = max(positions)
-            self._copy_rows(self.k[:, sources, :n], self.v[:, sources, :n], to, list(range(len(moves))), positions)
+        self._copy_rows(self.k, self.v, to, sources, self._held(sources))
         index = torch.tensor(rows[first:], dtype=torch.int64, device=self.k.device)
         n = len(rows)
         self._lengths[first:n] = self._lengths[index]

@@ -4,8 +4,9 @@ A decode step streams every weight once; on a CPU that is most of its time. A bf
 checkpoint kept in bfloat16 is half the bytes of an upcast float32 copy, and widening
 bfloat16 to float32 is exact, so the products equal float32 ones up to summation order.
 
-  "cpp"        specengine._C.linear_bf16_weight (AVX-512 or AVX2/FMA where the CPU has it,
-               else a plain C++ loop; OpenMP over columns): few rows, bound by the weight stream
+  "cpp"        specengine._C.linear_bf16_weight: csrc/blocks.cpp's linear_blocks on the matrix as
+               one BF16 part (AVX-512 or AVX2/FMA where the CPU has it, else a plain C++ loop;
+               OpenMP over columns): few rows, bound by the weight stream
   "amx"        specengine._C.gemm_bf16_weight_amx: AMX tiles on x split into three bfloat16
                terms, float32-accurate, for prompt-sized products (CPUs with AMX only)
   "reference"  F.linear on the weight upcast to float32 (the oracle)
