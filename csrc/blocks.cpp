@@ -1022,13 +1022,17 @@ BLOCKS_AVX512 void tile_buffered(const Slice& s, const float* x, int64_t xs, con
 // All R rows of x against COLS buffered weight rows, in tiles of at most kBufferedRows rows
 // (ROWS x COLS accumulators, COLS weight vectors and a row of x within the 32 registers), the
 // rows shared out evenly: a tile of one or two rows loads about as many vectors as it multiplies.
+// Seven rows take one tile of 7 (GCC takes a weight vector from memory): whole-model passes on
+// one thread (bench/results/vnni-pieces-2026-12-03.md) took 0.92-0.95x the time of 8 rows where tiles of 3 and 4
+// rows had taken 1.04x; tiles of 7 in 13 and 14 rows measured slower than tiles of 4-6.
 constexpr int64_t kBufferedRows = 6;
 template <int COLS>
 BLOCKS_AVX512 void columns_buffered(const Slice& s, const float* x, int64_t xs, const float* w, int64_t n0) {
-  const int64_t tiles = (s.R + kBufferedRows - 1) / kBufferedRows;
+  const int64_t tiles = s.R == 7 ? 1 : (s.R + kBufferedRows - 1) / kBufferedRows;
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
     const int64_t rows = (s.R - r) / (tiles - t);  // the rows left, shared by the tiles left
     switch (rows) {
+      case 7: tile_buffered<7, COLS>(s, x, xs, w, r, n0); break;
       case 6: tile_buffered<6, COLS>(s, x, xs, w, r, n0); break;
       case 5: tile_buffered<5, COLS>(s, x, xs, w, r, n0); break;
       case 4: tile_buffered<4, COLS>(s, x, xs, w, r, n0); break;
