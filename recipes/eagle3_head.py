@@ -181,9 +181,9 @@ class Eagle3Head(nn.Module):
         t + j + 1 (teacher forced: the target's own text) and, for j > 0, the head's previous
         output hidden (before `norm`), sits at rope position t + j and attends to the step-0 keys
         of positions 0..t and to its own steps 1..j, as a chain drafted at inference does.
-        Returns per step the draft logits [B, T, draft_vocab] (position t: chain t's step j,
-        predicting token t + j + 2; positions whose input token is past the end are garbage and
-        masked by the caller)."""
+        Returns per step the head's output hidden [B, T, H] (position t: chain t's step j, whose
+        logits, `logits(hidden)`, predict token t + j + 2; positions whose input token is past the
+        end are garbage and masked by the caller)."""
         B, T, _ = aux.shape
         device = aux.device
         layer, attn = self.midlayer, self.midlayer.self_attn
@@ -215,8 +215,12 @@ class Eagle3Head(nn.Module):
             out = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
             residual = hidden + out
             hidden = residual + layer.mlp(layer.post_attention_layernorm(residual))
-            outputs.append(self.lm_head(self.norm(hidden)))
+            outputs.append(hidden)
         return outputs
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] (the layer's output, before `norm`) -> draft logits [..., draft_vocab]."""
+        return self.lm_head(self.norm(hidden))
 
 
 def save_head(head: Eagle3Head, out: Path, dtype=torch.bfloat16):

@@ -307,7 +307,7 @@ def to_bf16_bits(x: torch.Tensor) -> np.ndarray:
 
 
 def from_bf16_bits(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).float()
+    return torch.from_numpy(np.array(a).view(np.int16)).view(torch.bfloat16).float()  # a copy: mmap slices are read-only
 
 
 @torch.inference_mode()
@@ -329,8 +329,8 @@ def features_of(model, seqs: list[np.ndarray], aux_layers: list[int]):
 
 
 def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: list[int], batch_tokens: int) -> dict:
-    """For every teach shard, features/<shard>.{aux,final,argmax}.npy; the target's embedding and
-    output matrix once (embed.npy, lm_head.npy)."""
+    """For every teach shard, features/<shard>.{aux,final,argmax}.npy; the target's embedding once
+    (embed.npy), and its output matrix (lm_head.npy) when it is not the embedding."""
     folder = work / "features"
     folder.mkdir(exist_ok=True)
     state_path = work / "features.json"
@@ -341,8 +341,10 @@ def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: lis
     t_load = time.time()
     model = load_hf_target(target)
     state["load_seconds"] = time.time() - t_load
-    np.save(work / "embed.npy", model.model.embed_tokens.weight.detach().numpy())
-    np.save(work / "lm_head.npy", model.lm_head.weight.detach().numpy())
+    embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
+    np.save(work / "embed.npy", embed.detach().numpy())
+    if not torch.equal(embed, lm_head):  # a tied target's (SmolLM2's) output matrix is its embedding
+        np.save(work / "lm_head.npy", lm_head.detach().numpy())
     for path in todo:
         t0 = time.time()
         seqs = [s["tokens"] for s in load_teach([path])]
@@ -437,25 +439,26 @@ def shifted(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
 
 def ttt_loss(head: Eagle3Head, batch, lm_head_draft: torch.Tensor, steps: int):
     """The weighted sum over steps of the soft cross-entropy; per step (loss, agreement with the
-    target's argmax on all answer positions, positions)."""
+    target's argmax on all answer positions, positions). The draft vocabulary's logits (most of a
+    step's cost) are computed only where the loss reads them."""
     aux, final, argmax, tokens, answer, valid = batch
-    logits = head.ttt(aux, tokens, valid, steps)
+    hiddens = head.ttt(aux, tokens, valid, steps)
     with torch.no_grad():
-        p = target_log_probs(final, lm_head_draft).exp()  # [B, T, Vd]
+        p = target_log_probs(final, lm_head_draft).exp()  # [B, T, Vd]: the target's, at each position
         draft_ids = head.draft_ids
     total, per_step = 0.0, []
-    for j, lg in enumerate(logits):
+    for j, hidden in enumerate(hiddens):
         # chain t's step j predicts token t + j + 2 from the target's distribution at t + j + 1
         target_argmax = shifted(argmax, j + 1)
         scored = shifted(valid & answer, j + 2, False)
-        in_vocab = head.t2d[target_argmax]
-        mask = (scored & in_vocab).float()
-        ce = -(shifted(p, j + 1) * F.log_softmax(lg.float(), -1)).sum(-1)
-        loss = (ce * mask).sum() / mask.sum().clamp(min=1)
+        rows, cols = (scored & head.t2d[target_argmax]).nonzero(as_tuple=True)
+        logq = F.log_softmax(head.logits(hidden[rows, cols]).float(), -1)  # [N, Vd]
+        loss = -(p[rows, cols + j + 1] * logq).sum(-1).mean() if len(rows) else hidden.sum() * 0
         total = total + STEP_WEIGHT ** j * loss
         with torch.no_grad():
-            agree = (draft_ids[lg.argmax(-1)] == target_argmax) & scored
-            per_step.append((loss.item(), agree.sum().item(), scored.sum().item()))
+            # agreement over every scored position (a target argmax outside the vocabulary is a miss)
+            hits = (draft_ids[logq.argmax(-1)] == target_argmax[rows, cols]).sum().item() if len(rows) else 0
+            per_step.append((loss.item(), hits, scored.sum().item()))
     return total, per_step
 
 
@@ -538,7 +541,7 @@ def evaluate(head: Eagle3Head, seqs: list[dict], features: Features, lm_head: to
         chosen = [s for s in seqs if (s["temperature"] == 0) == (kind == 0)]
         for i in range(0, len(chosen), batch):
             aux, final, argmax, tokens, answer, valid = features.batch(chosen[i: i + batch], seq_cap)
-            logits = head.ttt(aux, tokens, valid, steps)
+            logits = [head.logits(h) for h in head.ttt(aux, tokens, valid, steps)]
             T = tokens.shape[1]
             lengths = valid.sum(1)
             t = torch.arange(T)
@@ -683,7 +686,8 @@ def main(argv=None):
                   set(tokenizer.all_special_ids))
     timed("features", stage_features, args.work, target, teach_train + teach_held, aux_layers, args.feature_batch_tokens)
     embed = torch.from_numpy(np.load(args.work / "embed.npy"))
-    lm_head = torch.from_numpy(np.load(args.work / "lm_head.npy"))
+    untied = args.work / "lm_head.npy"
+    lm_head = torch.from_numpy(np.load(untied)) if untied.is_file() else embed
     head = make_head(hf_config, aux_layers, vocab["ids"], embed)
     state = timed("train", stage_train, args.work, head, train_seqs, held_seqs, lm_head, args)
     features = Features(args.work / "features")

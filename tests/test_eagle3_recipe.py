@@ -174,7 +174,7 @@ def test_training_time_test_attends_as_a_drafted_chain_does():
     aux = torch.randn(1, T, 96, generator=g)
     tokens = torch.randint(0, 40, (1, T), generator=g)
     with torch.no_grad():
-        unrolled = head.ttt(aux, tokens, torch.ones(1, T, dtype=torch.bool), steps)
+        unrolled = [head.logits(h) for h in head.ttt(aux, tokens, torch.ones(1, T, dtype=torch.bool), steps)]
         for t in (0, 3, T - steps - 1):
             chain = drafted_chain(head, aux[0], tokens[0], t, steps)
             for j in range(steps):
@@ -212,3 +212,30 @@ def test_requests_cover_the_kinds_and_keep_the_benchmark_and_held_out_apart():
     assert eagle3_requests.sane_request("Can you help me plan a three-day trip to Lisbon in spring?")
     assert not eagle3_requests.sane_request("the the the the the the the the the")
     assert not eagle3_requests.sane_request("<|im_start|>assistant")
+
+
+def test_the_loss_of_step_j_is_against_the_targets_distribution_of_token_t_plus_j_plus_2():
+    head = tiny_head(seed=4)
+    g = torch.Generator().manual_seed(5)
+    B, T, steps = 2, 8, 3
+    aux, final = torch.randn(B, T, 96, generator=g), torch.randn(B, T, 32, generator=g)
+    tokens = torch.randint(0, 40, (B, T), generator=g)
+    lm_head = torch.randn(40, 32, generator=g)
+    argmax = (final @ lm_head.T).argmax(-1)
+    answer = torch.ones(B, T, dtype=torch.bool)
+    answer[:, :2] = False
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 6:] = False
+    batch = (aux, final, argmax, tokens, answer, valid)
+    _, per_step = train_eagle3.ttt_loss(head, batch, lm_head[head.draft_ids], steps)
+    with torch.no_grad():
+        hiddens = head.ttt(aux, tokens, valid, steps)
+    for j in range(steps):
+        terms = []
+        for b in range(B):
+            for t in range(T):
+                s = t + j + 2  # the token chain t's step j predicts
+                if s < int(valid[b].sum()) and answer[b, s] and head.t2d[argmax[b, s - 1]]:
+                    p = torch.softmax(final[b, s - 1] @ lm_head[head.draft_ids].T, -1)
+                    terms.append(-(p * torch.log_softmax(head.logits(hiddens[j][b, t]), -1)).sum())
+        assert terms and abs(per_step[j][0] - torch.stack(terms).mean().item()) < 1e-4, j
