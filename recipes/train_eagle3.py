@@ -600,7 +600,7 @@ def model_card(meta: dict, metrics: dict) -> str:
         f"- T=1: estimated acceptance by position {t1['accept_by_position']}, per-step sum min(p, q) "
         f"{t1['alpha_by_step']} ({t1['chains']} chains).", "",
         "## Time on this CPU",
-        f"- {meta['machine']}, {meta['threads']} thread(s); stages in minutes: "
+        f"- {meta['machine']} (torch threads: {meta['threads']}); stages in minutes: "
         + ", ".join(f"{k} {v:.1f}" for k, v in times.items()) + ".",
         f"- Date: {meta['date']}.", "",
     ]
