@@ -1,11 +1,12 @@
 """What the training recipes share: a wall-clock budget, resumed from a checkpoint, with a
 learning rate that warms up and then follows a cosine over the budget (so a run of any length
-ends annealed)."""
+ends annealed), and batches of sequences of similar length drawn from shards."""
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -30,3 +31,24 @@ def set_lr(opt, lr: float, state: dict, budget_s: float, warmup_steps: int, floo
     cosine = 0.5 * (1 + math.cos(math.pi * state["elapsed"] / budget_s))
     for group in opt.param_groups:
         group["lr"] = lr * warm * (floor + (1 - floor) * cosine)
+
+
+def batches_of(seqs, max_tokens: int, seq_cap: int, rng: np.random.Generator):
+    """Batches of about max_tokens (length-sorted buckets, shuffled), forever."""
+    while True:
+        order = rng.permutation(len(seqs))
+        buckets = [sorted(order[i: i + 512], key=lambda j: len(seqs[j][0])) for i in range(0, len(order), 512)]
+        groups = []
+        for bucket in buckets:
+            group, longest = [], 0
+            for j in bucket:
+                L = min(len(seqs[j][0]), seq_cap)
+                if group and max(longest, L) * (len(group) + 1) > max_tokens:
+                    groups.append(group)
+                    group, longest = [], 0
+                group.append(j)
+                longest = max(longest, L)
+            if group:
+                groups.append(group)
+        for g in rng.permutation(len(groups)):
+            yield [seqs[j] for j in groups[g]]

@@ -36,7 +36,7 @@ from specengine.devtools.corpus import code_prompts, encode_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
-from resumable import resume, save, set_lr  # noqa: E402
+from resumable import batches_of, resume, save, set_lr  # noqa: E402
 
 TOP_K = 20
 DRAFT_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -241,27 +241,6 @@ def make_draft(target_dir: Path, vocab: int, eos: int, bos: int | None):
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(projected * (0.02 / projected.std()))
     return model
-
-
-def batches_of(seqs, max_tokens: int, seq_cap: int, rng: np.random.Generator):
-    """Batches of about max_tokens (length-sorted buckets, shuffled), forever."""
-    while True:
-        order = rng.permutation(len(seqs))
-        buckets = [sorted(order[i: i + 512], key=lambda j: len(seqs[j][0])) for i in range(0, len(order), 512)]
-        groups = []
-        for bucket in buckets:
-            group, longest = [], 0
-            for j in bucket:
-                L = min(len(seqs[j][0]), seq_cap)
-                if group and max(longest, L) * (len(group) + 1) > max_tokens:
-                    groups.append(group)
-                    group, longest = [], 0
-                group.append(j)
-                longest = max(longest, L)
-            if group:
-                groups.append(group)
-        for g in rng.permutation(len(groups)):
-            yield [seqs[j] for j in groups[g]]
 
 
 def collate(batch, seq_cap: int, prompt_weight: float):
