@@ -17,15 +17,19 @@ Stages, each resumable (its state in --work; a finished stage is skipped when ru
                target's first answer.
   3. vocab     the draft vocabulary: the N ids the target's answers use most (plus the special ids);
                d2t/t2d; the share of answer tokens it covers is reported.
-  4. features  transformers' own load of the same file (float32, output_hidden_states) gives, for
-               every token of prompt + answer, the states at the three capture layers and the final
-               (normed) hidden state from which the loss takes the target's distribution, stored as
-               bfloat16 .npy shards (memory-mapped when training).
+  4. features  the runtime's own target (specengine's load of the same file, its C++ products;
+               prompt-sized calls run as GEMMs) captures, for every token of prompt + answer, the
+               states entering the capture layers (LlamaForCausalLM.capture_features, what the
+               engine hands the drafter) and gives the final (normed) hidden state from which the
+               loss takes the target's distribution, and its argmax; stored as bfloat16 .npy
+               shards (memory-mapped when training).
   5. train     the head, target frozen, with the training-time test below; soft cross-entropy against
                the target's distribution restricted to the draft vocabulary; cosine learning rate
                over a wall-clock budget; checkpoints; progress lines (tokens/s, loss, held-out accept).
   6. evaluate  held-out acceptance by draft position (T=0 and T=1), eval.json next to the head.
-  7. export    the published-format folder: config.json, model.safetensors, README.md (model card).
+  7. export    the published-format folder: config.json, model.safetensors, README.md (model card),
+               written by the runtime's writer (specengine.models.eagle3.save_eagle3) from the
+               runtime's config of the head, and read back by its loader (load_eagle3).
 
 The published format (checked against vLLM's llama_eagle3.py and its model runner, SGLang's
 llama_eagle3.py, SpecForge's trainer and the EAGLE repository's; written here in my words):
@@ -64,6 +68,8 @@ llama_eagle3.py, SpecForge's trainer and the EAGLE repository's; written here in
   t - j + 1 .. t from chain t's query (disputed in EAGLE issue #247); inference attends to all of
   them, so this recipe's attention is the inference one (Eagle3Head.ttt: step-0 keys of positions
   <= t plus the chain's own steps), and its rope positions are t + j as at inference.
+  tests/test_eagle3_recipe.py checks that an exported head, loaded by the runtime, drafts chains
+  whose q is this module's at every step (within float32's bound).
 
 Measured throughput on this 2-core CPU and sizes that finish in a few hours:
 bench/results/eagle3-recipe-trial-2026-12-03.md.
@@ -83,7 +89,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
-from eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers, save_head  # noqa: E402
+from eagle3_head import Eagle3Head, save_head  # noqa: E402
 from eagle3_requests import (distinct_non_benchmark, is_held_out, normalized, project_requests,  # noqa: E402
                              sane_request)
 from resumable import batches_of, resume, save, set_lr  # noqa: E402
@@ -291,14 +297,23 @@ def stage_vocab(work: Path, train: list[dict], heldout: list[dict], size: int, v
 
 # ---- 4. features -----------------------------------------------------------------------------
 
-def load_hf_target(target: Path):
-    """transformers' own load: a GGUF file dequantized to float32, or a folder."""
-    from transformers import AutoModelForCausalLM
+def target_config(target: Path):
+    """The target's ModelConfig (a GGUF file's or a folder's), without loading its weights."""
+    from specengine.models.config import ModelConfig
+    from specengine.models.gguf import gguf_config, open_gguf
+    from specengine.models.loader import is_gguf
 
-    if target.is_file():
-        model = AutoModelForCausalLM.from_pretrained(target.parent, gguf_file=target.name, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    return ModelConfig.from_dict(gguf_config(open_gguf(target), target)) if is_gguf(target) else \
+        ModelConfig.from_folder(target)
+
+
+def load_target(target: Path, aux_layers: list[int]):
+    """The runtime's target (a GGUF file's matrices kept as stored, float32 arithmetic; or a
+    folder), capturing the states entering aux_layers in every forward."""
+    from specengine.models import load_model
+
+    model = load_model(target)
+    model.capture_features(tuple(aux_layers))
     return model.eval()
 
 
@@ -311,21 +326,29 @@ def from_bf16_bits(a: np.ndarray) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def features_of(model, seqs: list[np.ndarray], aux_layers: list[int]):
-    """Per sequence: captured states [L, 3H] (hidden_states[i] = input of layer i, for i in
-    aux_layers), final normed hidden [L, H] (hidden_states[L]) and the target's argmax [L]."""
+def features_of(model, seqs: list[np.ndarray]):
+    """Per sequence: captured states [L, k * H] (the inputs of the model's capture layers), final
+    normed hidden [L, H] and the target's argmax [L], from one forward of the sequences right-padded
+    into a batch (a row's positions see only its own earlier tokens, and its products do not depend
+    on the rows beside it)."""
     B, T = len(seqs), max(len(s) for s in seqs)
     ids = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.long)
     for b, s in enumerate(seqs):
         ids[b, : len(s)] = torch.from_numpy(s.astype(np.int64))
-        mask[b, : len(s)] = 1
-    out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    states = out.hidden_states
-    aux = torch.cat([states[i] for i in aux_layers], -1)
-    final = states[-1]
-    argmax = torch.cat([model.lm_head(final[:, i: i + 128]).argmax(-1) for i in range(0, T, 128)], 1)
+    final = model(ids, torch.zeros(B, dtype=torch.long), model.new_cache(B, T, growable=False), kv_len=T)
+    aux = model.features
+    argmax = torch.cat([model.logits(final[:, i: i + 128]).argmax(-1) for i in range(0, T, 128)], 1)
     return [(aux[b, : len(s)], final[b, : len(s)], argmax[b, : len(s)]) for b, s in enumerate(seqs)]
+
+
+def dense_rows(module, rows: int) -> torch.Tensor:
+    """A model's embedding or output matrix [rows, H] as float32 values (a stored matrix dequantized
+    as the runtime computes with it)."""
+    from specengine.ops.blocks import dequantize_reference
+
+    if hasattr(module, "matrix"):
+        return dequantize_reference(module.matrix).float()
+    return module.weight.detach().float()
 
 
 def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: list[int], batch_tokens: int) -> dict:
@@ -339,12 +362,13 @@ def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: lis
     if not todo and (work / "embed.npy").is_file():
         return state
     t_load = time.time()
-    model = load_hf_target(target)
+    model = load_target(target, aux_layers)
     state["load_seconds"] = time.time() - t_load
-    embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
-    np.save(work / "embed.npy", embed.detach().numpy())
-    if not torch.equal(embed, lm_head):  # a tied target's (SmolLM2's) output matrix is its embedding
-        np.save(work / "lm_head.npy", lm_head.detach().numpy())
+    V = model.config.vocab_size
+    embed = dense_rows(model.model.embed_tokens, V)
+    np.save(work / "embed.npy", embed.numpy())
+    if not model.config.tie_word_embeddings:  # a tied target's (SmolLM2's) output matrix is its embedding
+        np.save(work / "lm_head.npy", dense_rows(model.lm_head, V).numpy())
     for path in todo:
         t0 = time.time()
         seqs = [s["tokens"] for s in load_teach([path])]
@@ -355,7 +379,7 @@ def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: lis
             if i is not None and (not group or len(seqs[i]) * (len(group) + 1) <= batch_tokens):
                 group.append(i)
                 continue
-            for j, r in zip(group, features_of(model, [seqs[j] for j in group], aux_layers)):
+            for j, r in zip(group, features_of(model, [seqs[j] for j in group])):
                 results[j] = r
             group = [i] if i is not None else []
         for part, k in (("aux", 0), ("final", 1)):
@@ -382,12 +406,11 @@ class Features:
         return self.maps[shard, part]
 
     def batch(self, seqs: list[dict], seq_cap: int):
-        """aux [B, T, 3H], final [B, T, H] float32; argmax, tokens [B, T] long; answer, valid [B, T] bool."""
+        """aux [B, T, k * H], final [B, T, H] float32; argmax, tokens [B, T] long; answer, valid [B, T] bool."""
         T = min(max(len(s["tokens"]) for s in seqs), seq_cap)
         B = len(seqs)
-        first = self.get(seqs[0]["shard"], "aux")
-        H3 = first.shape[1]
-        aux, final = torch.zeros(B, T, H3), torch.zeros(B, T, H3 // 3)
+        widths = [self.get(seqs[0]["shard"], part).shape[1] for part in ("aux", "final")]
+        aux, final = torch.zeros(B, T, widths[0]), torch.zeros(B, T, widths[1])
         argmax, tokens = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
         answer, valid = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.bool)
         for b, s in enumerate(seqs):
@@ -403,17 +426,11 @@ class Features:
 
 # ---- 5. train --------------------------------------------------------------------------------
 
-def make_head(hf_config, aux_layers: list[int], draft_ids: list[int], embed: torch.Tensor, extra: dict | None = None) -> Eagle3Head:
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    cfg = Eagle3Config(
-        hidden_size=hf_config.hidden_size, num_attention_heads=hf_config.num_attention_heads,
-        num_key_value_heads=hf_config.num_key_value_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-        intermediate_size=hf_config.intermediate_size, vocab_size=hf_config.vocab_size, draft_vocab_size=len(draft_ids),
-        aux_layers=list(aux_layers), target_num_layers=hf_config.num_hidden_layers, rms_norm_eps=hf_config.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
-        max_position_embeddings=hf_config.max_position_embeddings, eos_token_id=hf_config.eos_token_id,
-        bos_token_id=hf_config.bos_token_id, extra=extra or {})
+def make_head(target_cfg, aux_layers: list[int], draft_ids: list[int], embed: torch.Tensor) -> Eagle3Head:
+    """A fresh head for the target (its ModelConfig): the runtime's config at the target's width."""
+    from specengine.models.eagle3 import Eagle3Config
+
+    cfg = Eagle3Config.for_target(target_cfg, tuple(aux_layers), len(draft_ids))
     torch.manual_seed(0)
     head = Eagle3Head(cfg, embed)
     head.set_vocab(torch.tensor(draft_ids, dtype=torch.int64))
@@ -676,19 +693,18 @@ def main(argv=None):
     if not train_seqs:
         raise SystemExit("no teacher data: give the teach stage some minutes")
     tokenizer = load_tokenizer(target)
-    from transformers import AutoConfig
+    from specengine.models.eagle3 import default_feature_layers
 
-    hf_config = (AutoConfig.from_pretrained(target.parent, gguf_file=target.name) if target.is_file()
-                 else AutoConfig.from_pretrained(target))
+    tcfg = target_config(target)
     aux_layers = ([int(x) for x in args.aux_layers.split(",")] if args.aux_layers
-                  else default_aux_layers(hf_config.num_hidden_layers))
-    vocab = timed("vocab", stage_vocab, args.work, train_seqs, held_seqs, args.draft_vocab, hf_config.vocab_size,
+                  else list(default_feature_layers(tcfg.num_layers)))
+    vocab = timed("vocab", stage_vocab, args.work, train_seqs, held_seqs, args.draft_vocab, tcfg.vocab_size,
                   set(tokenizer.all_special_ids))
     timed("features", stage_features, args.work, target, teach_train + teach_held, aux_layers, args.feature_batch_tokens)
     embed = torch.from_numpy(np.load(args.work / "embed.npy"))
     untied = args.work / "lm_head.npy"
     lm_head = torch.from_numpy(np.load(untied)) if untied.is_file() else embed
-    head = make_head(hf_config, aux_layers, vocab["ids"], embed)
+    head = make_head(tcfg, aux_layers, vocab["ids"], embed)
     state = timed("train", stage_train, args.work, head, train_seqs, held_seqs, lm_head, args)
     features = Features(args.work / "features")
     metrics = timed("evaluate", evaluate, bf16_rounded(head), held_seqs, features, lm_head, args.ttt_steps, args.seq_cap)

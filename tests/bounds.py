@@ -570,17 +570,34 @@ class Float64Llama:
         gate, up = _linear(h, L.gate, L.gate_bias, terms, r), _linear(h, L.up, L.up_bias, terms, r)
         return _add(x, _linear(_silu_mul(gate, up, r), L.down, L.down_bias, terms, r), r)
 
-    def _forward(self, tokens: list[int], terms: int, r: _Roundings) -> torch.Tensor:
+    def _forward(self, tokens: list[int], terms: int, r: _Roundings, capture: tuple[int, ...] = ()):
+        """The logits [T, V]; with capture, (the states entering the layers in capture side by side
+        [T, len(capture) * hidden] (id num_layers: the last layer's output before the final norm),
+        the final normed hidden [T, hidden], the logits)."""
         T = len(tokens)
         positions = torch.arange(T)
         cos32, sin32 = self.rope_tables(positions)
         cos, sin = cos32.double()[:, None, :], sin32.double()[:, None, :]  # [T, 1, D]
         table_error = rope_error(positions)[..., None]  # [T, 1, 1]: ours and the reference's tables
         x = self.embed[torch.tensor(tokens)]
+        entering = {}
         for i in range(len(self.layers)):
+            entering[i] = x
             keys = torch.zeros(T, self.kv_heads, self.head_dim, dtype=torch.float64)
             x = self._layer(i, x, positions, cos, sin, table_error, keys, torch.zeros_like(keys), T, terms, r)
-        return _linear(_rms_norm(x, self.norm, self.eps, r), self.lm_head, None, terms, r)
+        entering[len(self.layers)] = x
+        final = _rms_norm(x, self.norm, self.eps, r)
+        logits = _linear(final, self.lm_head, None, terms, r)
+        if not capture:
+            return logits
+        return torch.cat([entering[i] for i in capture], -1), final, logits
+
+    def states(self, tokens: list[int], capture: tuple[int, ...], terms: int = 1) -> tuple[Logits, Logits, Logits]:
+        """Exact values and bounds of a forward's states (as capture_features captures them: the
+        residual stream entering each layer id in capture, side by side [T, len(capture) *
+        hidden]), of its final normed hidden [T, hidden] and of its logits [T, V]."""
+        exact, spread = _estimate(lambda r: self._forward(list(tokens), terms, r, tuple(capture)))
+        return tuple(Logits(e, b) for e, b in zip(exact, spread))
 
     def logits(self, tokens: list[int], terms: int = 1) -> Logits:
         """Exact logits [T, V] of the token sequence (positions 0..T-1) and the bound on a
@@ -616,6 +633,65 @@ class Float64Llama:
         continuation of prompt (the token before it fed)."""
         start = len(prompt) - 1
         return self.logits(prompt + list(continuation[:-1]))[start:start + len(continuation)]
+
+
+# ---- EAGLE-3 draft heads: the same, for one head's chain of drafts ------------------------------
+
+class Float64Eagle3:
+    """An EAGLE-3 head evaluated in float64 on the weights of its published layout (the
+    computation specengine.models.eagle3's docstring describes, written here again from the
+    format), with bounds on a float32 computation's error as Float64Llama's: the pairs (fc of the
+    target's states at position p, the token after p) at positions p = 0..P-1, then a chain of
+    draft steps, each pairing the head's output of the step before (before its final norm) with
+    the token drafted there, at the next position, every query seeing every key at or before it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], embedding: torch.Tensor, heads: int, kv_heads: int,
+                 head_dim: int, eps: float, inv_freq: torch.Tensor):
+        """tensors: the published names (layer under midlayer.); embedding [V, H]: the one the
+        head uses; inv_freq [head_dim / 2]: the rotary frequencies (float32, as the models take them)."""
+        self.t = {k: _f64(v) for k, v in tensors.items() if v.is_floating_point()}
+        self.embed = _f64(embedding)
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+        self.inv_freq = inv_freq.float()
+
+    def _chain(self, features: torch.Tensor, tokens: list[int], chain: list[int], terms: int, r: _Roundings):
+        t, L = self.t, lambda name: self.t["midlayer." + name]  # noqa: E731
+        P, D = len(tokens), self.head_dim
+        n = P + len(chain)
+        positions = torch.arange(n)
+        freqs = positions.float()[:, None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], -1)
+        cos, sin = emb.cos().double()[:, None], emb.sin().double()[:, None]  # [n, 1, D]: float32 tables
+        table_error = rope_error(positions)[..., None]
+        fused = _linear(_f64(features), t["fc.weight"], None, terms, r)  # [P, H]
+        keys = torch.zeros(n, self.kv_heads, D, dtype=torch.float64)
+        values = torch.zeros_like(keys)
+        outs, all_tokens = [], list(tokens) + list(chain)
+        for p in range(n):  # one position a call: a chain step's hidden is the output before it
+            hidden = fused[p:p + 1] if p < P else outs[-1]
+            normed = _rms_norm(hidden, L("hidden_norm.weight"), self.eps, r)
+            e = _rms_norm(self.embed[all_tokens[p]][None], L("input_layernorm.weight"), self.eps, r)
+            x = torch.cat([e, normed], -1)
+            q, k, v = (_linear(x, L(f"self_attn.{w}_proj.weight"), None, terms, r).view(1, -1, D) for w in "qkv")
+            c, s_, te = cos[p:p + 1], sin[p:p + 1], table_error[p:p + 1]
+            q, k = _rope(q, c, s_, te, r), _rope(k, c, s_, te, r)
+            keys[p], values[p] = k[0], v[0]
+            visible = torch.ones(1, p + 1, dtype=torch.bool)
+            a = _linear(_attention(q, keys[:p + 1], values[:p + 1], visible, D ** -0.5, r),
+                        L("self_attn.o_proj.weight"), None, terms, r)
+            y = _add(hidden, a, r)
+            m = _rms_norm(y, L("post_attention_layernorm.weight"), self.eps, r)
+            gate = _linear(m, L("mlp.gate_proj.weight"), None, terms, r)
+            up = _linear(m, L("mlp.up_proj.weight"), None, terms, r)
+            outs.append(_add(y, _linear(_silu_mul(gate, up, r), L("mlp.down_proj.weight"), None, terms, r), r))
+        out = torch.cat(outs[P - 1:])  # the last pair's, then each chain step's
+        return (_linear(_rms_norm(out, t["norm.weight"], self.eps, r), t["lm_head.weight"], None, terms, r),)
+
+    def chain_logits(self, features: torch.Tensor, tokens: list[int], chain: list[int], terms: int = 1) -> Logits:
+        """Exact draft-vocabulary logits [1 + len(chain), Vd] and their bounds: the last pair's
+        (features [P, F] float32 with tokens [P]) and each chain step's (chain: the tokens fed back)."""
+        (exact,), (spread,) = _estimate(lambda r: self._chain(features, tokens, chain, terms, r))
+        return Logits(exact, spread)
 
 
 # ---- T5 encoder-decoder models: the same, for original T5 and v1.1 ------------------------------

@@ -245,6 +245,36 @@ def test_a_head_that_does_not_fit_is_refused_by_name(target, tmp_path, change, m
         load_eagle3(write_head(tmp_path / "head", config, tensors), target)
 
 
+def test_the_writer_writes_what_the_loader_reads_and_refuses_by_name(target, tmp_path):
+    """save_eagle3 writes config.json from the config (a scaled rope too) and the tensors
+    published_shapes names; load_eagle3 reads back the same config; a tensor missing, unknown or
+    misshapen is refused by name before anything is written."""
+    import dataclasses
+
+    from specengine.layers.rotary import RopeConfig
+    from specengine.models.eagle3 import (Eagle3Config, draft_vocab_maps, published_shapes, save_eagle3)
+
+    cfg = dataclasses.replace(Eagle3Config.for_target(target.config, (0, 2, 1), 12),
+                              rope=RopeConfig(theta=5e5, rope_type="llama3", factor=8.0,
+                                              original_max_position_embeddings=64))
+    assert Eagle3Config.from_dict(cfg.to_dict(), target_layers=40) == cfg
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=g) for name, shape in published_shapes(cfg).items()}
+    tensors["d2t"], tensors["t2d"] = draft_vocab_maps(torch.tensor([5, 1, 7, 9, 12, 13, 20, 21, 25, 3, 30, 0]), 32)
+    head = load_eagle3(save_eagle3(tmp_path / "head", cfg, tensors), target)
+    assert head.config == cfg and head.target_ids.tolist() == [5, 1, 7, 9, 12, 13, 20, 21, 25, 3, 30, 0]
+    assert head.lm_head.weight.dtype == torch.bfloat16  # written in bfloat16 by default
+    for change, match in ((dict(drop="midlayer.mlp.up_proj.weight"), "missing midlayer.mlp.up_proj.weight"),
+                          (dict(add={"layers.0.extra": torch.zeros(1)}), "unknown layers.0.extra"),
+                          (dict(add={"fc.weight": torch.zeros(32, 64)}), r"fc.weight has shape \(32, 64\)")):
+        bad = {k: v for k, v in tensors.items() if k != change.get("drop")} | change.get("add", {})
+        with pytest.raises(CheckpointError, match=match):
+            save_eagle3(tmp_path / "bad", cfg, bad)
+        assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match="distinct ids in"):
+        draft_vocab_maps(torch.tensor([1, 1]), 32)
+
+
 # ---- the target's features -------------------------------------------------------------------
 
 LAYER_OPS = {"whole-layer": "cpp-layers", "cpp-ops": "cpp-ops", "torch-ops": "torch", "triton": "triton"}

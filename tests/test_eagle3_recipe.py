@@ -12,13 +12,17 @@ import torch
 from safetensors import safe_open
 
 from specengine.devtools.tiny import make_config, save_random_checkpoint
+from specengine.layers.rotary import RopeConfig
+from specengine.models.eagle3 import Eagle3Config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "recipes"))
+import eagle3_head  # noqa: E402
 import eagle3_requests  # noqa: E402
 import train_eagle3  # noqa: E402
-from eagle3_head import Eagle3Config, Eagle3Head, rope  # noqa: E402
+from eagle3_head import Eagle3Head, rope  # noqa: E402
 
+from bounds import Float64Eagle3, Float64Llama, certain_argmax  # noqa: E402
 from server_util import CHATML  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 4, 2, 4
@@ -100,30 +104,43 @@ def test_the_recipe_exports_the_published_format_and_resumes(target, tmp_path, c
     assert torch.load(work / "head.pt", weights_only=True)["state"]["step"] == 3
 
 
-def test_captured_states_are_the_inputs_of_the_capture_layers(target):
-    model = train_eagle3.load_hf_target(target)
-    seq = np.random.default_rng(0).integers(0, model.config.vocab_size, 20).astype(np.int32)
+def test_the_features_stage_gives_transformers_states_within_float32s_bound(target):
+    """The features stage runs the runtime's target: its captured states, final normed hidden and
+    logits are a float32 forward's (within the bound of the float64 forward on the same weights,
+    tests/bounds.py), and so are transformers' (its layers' inputs taken by hooks): the states are
+    the capture layers' inputs in both. A row padded in a batch gets its own."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    exact = Float64Llama.from_transformers(hf)
+    model = train_eagle3.load_target(target, [1, 2, 3])
+    seq = np.random.default_rng(0).integers(0, model.config.vocab_size, 40).astype(np.int32)
+    states, final_bound, logits_bound = exact.states(seq.tolist(), (1, 2, 3))
+    (aux, final, argmax), (short_aux, short_final, _) = train_eagle3.features_of(model, [seq, seq[:12]])
+    states.check(aux, "captured states")
+    final_bound.check(final, "final normed hidden")
+    logits_bound.check(model.logits(final), "logits")
+    certain = certain_argmax(logits_bound)
+    assert certain.sum() > 30 and torch.equal(argmax[certain], logits_bound.exact.argmax(-1)[certain])
+    states[:12].check(short_aux, "a short row padded in a batch")
+    final_bound[:12].check(short_final)
+
     inputs = {}
-    hooks = [model.model.layers[i].register_forward_pre_hook(
+    hooks = [hf.model.layers[i].register_forward_pre_hook(
         lambda module, args, kwargs, i=i: inputs.__setitem__(i, (args[0] if args else kwargs["hidden_states"])[0].clone()),
         with_kwargs=True) for i in (1, 2, 3)]
     with torch.no_grad():
-        logits = model(torch.from_numpy(seq.astype(np.int64))[None]).logits[0]
+        hf_out = hf(torch.from_numpy(seq.astype(np.int64))[None], output_hidden_states=True)
     for h in hooks:
         h.remove()
-    (aux, final, argmax), (short_aux, _, _) = train_eagle3.features_of(model, [seq, seq[:12]], [1, 2, 3])
-    for k, i in enumerate((1, 2, 3)):
-        assert torch.allclose(aux[:, k * HIDDEN: (k + 1) * HIDDEN], inputs[i], atol=1e-5)
-    assert torch.equal(argmax, logits.argmax(-1))
-    with torch.no_grad():
-        assert torch.allclose(model.lm_head(final), logits, atol=1e-4)
-    # position t's states see tokens 0..t only, and a padded row of a batch gets its own
-    assert torch.allclose(short_aux, aux[:12], atol=1e-4)
+    states.check(torch.cat([inputs[i] for i in (1, 2, 3)], -1), "transformers' layer inputs")
+    final_bound.check(hf_out.hidden_states[-1][0], "transformers' final hidden")
 
 
 def tiny_head(seed=0, vocab=40, draft_vocab=16):
-    cfg = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                       vocab_size=vocab, draft_vocab_size=draft_vocab, aux_layers=[0, 1, 2], target_num_layers=3)
+    cfg = Eagle3Config(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5,
+                       rope=RopeConfig(theta=10000.0), vocab_size=vocab, draft_vocab_size=draft_vocab,
+                       target_hidden_size=32, feature_layers=(0, 1, 2))
     torch.manual_seed(seed)
     head = Eagle3Head(cfg, torch.randn(vocab, 32))
     head.set_vocab(torch.arange(0, 2 * draft_vocab, 2))
@@ -136,7 +153,7 @@ def tiny_head(seed=0, vocab=40, draft_vocab=16):
 def drafted_chain(head: Eagle3Head, aux, tokens, t: int, steps: int):
     """Inference written out for chain t: every verified position's step-0 entry in a KV cache,
     then one query at a time, each step appending its own key and feeding its output back."""
-    layer, attn, cfg = head.midlayer, head.midlayer.self_attn, head.cfg
+    layer, attn = head.midlayer, head.midlayer.self_attn
     groups = attn.heads // attn.kv_heads
 
     def entry(hidden, token, pos):
@@ -145,7 +162,7 @@ def drafted_chain(head: Eagle3Head, aux, tokens, t: int, steps: int):
         k = attn.k_proj(x).view(attn.kv_heads, 1, attn.head_dim).repeat_interleave(groups, 0)
         v = attn.v_proj(x).view(attn.kv_heads, 1, attn.head_dim).repeat_interleave(groups, 0)
         p = torch.tensor([pos])
-        return rope(q, p, cfg.rope_theta), rope(k, p, cfg.rope_theta), v
+        return rope(q, p, head.inv_freq), rope(k, p, head.inv_freq), v
 
     keys, values = [], []
     fused = head.fc(aux)
@@ -239,3 +256,68 @@ def test_the_loss_of_step_j_is_against_the_targets_distribution_of_token_t_plus_
                     p = torch.softmax(final[b, s - 1] @ lm_head[head.draft_ids].T, -1)
                     terms.append(-(p * torch.log_softmax(head.logits(hiddens[j][b, t]), -1)).sum())
         assert terms and abs(per_step[j][0] - torch.stack(terms).mean().item()) < 1e-4, j
+
+
+# ---- the recipe's head as the runtime drafts with it -------------------------------------------
+
+def test_an_exported_head_drafts_as_the_recipe_trains_it(target, tmp_path):
+    """A head made and exported by the recipe (random weights, rounded to bfloat16 as exported)
+    loads with load_eagle3 under the same config, and over two rounds the runtime drafter's q for
+    every draft step equals the recipe module's training-time-test logits of that chain (through
+    d2t onto the target's ids): step 1 from the target's states of the verified tokens, steps 2..k
+    from the fed-back hidden, attending to the verified pairs and the chain's earlier steps at
+    their rope positions. Both are checked within float32's bound of the float64 head
+    (tests/bounds.py), on the target's own captured features."""
+    from safetensors.torch import load_file
+
+    from specengine.drafters.eagle3 import Eagle3Drafter
+    from specengine.models.eagle3 import load_eagle3
+    from specengine.sampling.batch import SamplingBatch
+    from specengine import SamplingParams
+
+    model = train_eagle3.load_target(target, [1, 2, 3])
+    V, G = model.config.vocab_size, 4
+    draft_ids = sorted(np.random.default_rng(1).choice(V, 48, replace=False).tolist())
+    embed = train_eagle3.dense_rows(model.model.embed_tokens, V)
+    head = train_eagle3.make_head(model.config, [1, 2, 3], draft_ids, embed)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in head.named_parameters():  # weights that make the draws matter
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 if p.dim() == 2 else 0.5 + torch.rand(p.shape, generator=g))
+    head = train_eagle3.bf16_rounded(head).eval()
+    folder = eagle3_head.save_head(head, tmp_path / "head")
+
+    runtime = load_eagle3(folder, model)
+    assert runtime.config == head.config  # one config, written and read back
+    assert Eagle3Config.from_dict(json.loads((folder / "config.json").read_text()), 99) == head.config
+    assert runtime.target_ids.tolist() == draft_ids
+    exact = Float64Eagle3(load_file(folder / "model.safetensors"), embed, HEADS, KV_HEADS, HIDDEN // HEADS,
+                          model.config.rms_norm_eps, head.inv_freq)
+
+    drafter = Eagle3Drafter(runtime, V, V)
+    greedy = SamplingBatch.from_params([SamplingParams(temperature=0)], [0], torch.device("cpu"))
+    seq = np.random.default_rng(3).integers(0, V, 20).tolist()
+    drafter.join_rows([seq], 64)
+    drafter.take_features([0], [0], _features(model, seq)[None, :len(seq) - 1], [len(seq) - 1])
+    for rnd in range(2):
+        if rnd == 1:  # verification kept draft 1 and emitted another token: the target's states of both
+            seq = seq + [drafts[0], 5]
+            drafter.take_features([0], [len(seq) - 3], _features(model, seq)[None, len(seq) - 3:len(seq) - 1], [2])
+        proposal = drafter.propose([seq], [G], greedy)
+        drafts, q = proposal.tokens[0].tolist(), proposal.logits[0]  # [G], [G, V]
+        assert torch.isinf(q[:, [i for i in range(V) if i not in draft_ids]]).all()
+        n = len(seq)
+        chain = seq + drafts[:-1]  # the chain's steps read the drafted tokens (teacher-forced in training)
+        aux = torch.zeros(1, len(chain), 3 * HIDDEN)
+        aux[0, :n - 1] = _features(model, seq)[:n - 1]
+        with torch.no_grad():
+            hiddens = head.ttt(aux, torch.tensor([chain]), torch.ones(1, len(chain), dtype=torch.bool), G)
+        trained = torch.stack([head.logits(h[0, n - 2]) for h in hiddens])  # [G, Vd]: chain n - 2
+        bound = exact.chain_logits(_features(model, seq)[:n - 1], seq[1:], drafts[:-1])
+        bound.check(q[:, draft_ids], f"round {rnd + 1}: the runtime drafter's q")
+        bound.check(trained, f"round {rnd + 1}: the recipe's training-time test")
+
+
+def _features(model, seq: list[int]) -> torch.Tensor:
+    """The target's captured states [len(seq), F] of a sequence (the features stage's)."""
+    return train_eagle3.features_of(model, [np.array(seq, dtype=np.int32)])[0][0]

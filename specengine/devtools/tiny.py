@@ -7,6 +7,7 @@ say so.
 """
 from __future__ import annotations
 
+import dataclasses
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -96,38 +97,22 @@ def save_random_checkpoint(folder: str | Path, config, tokenizer=None, seed: int
 def save_random_eagle3_head(folder: str | Path, target_config, seed: int = 0, layer_ids: tuple[int, ...] = (0, 1, 2),
                             init_std: float = 0.3) -> Path:
     """Save a randomly initialised EAGLE-3 head for a target (its ModelConfig) in the published
-    layout (config.json with LlamaForCausalLMEagle3 and the layers it reads; model.safetensors
-    with EAGLE's names: fc, midlayer.*, norm, lm_head over the whole vocabulary, d2t, t2d)."""
-    import json
-
-    from safetensors.torch import save_file
+    layout, by the runtime's writer (models.eagle3.save_eagle3): the target's width, heads, rope
+    and norm epsilon, an MLP twice its width, an lm_head over the whole vocabulary, float32."""
+    from ..models.eagle3 import Eagle3Config, draft_vocab_maps, published_shapes, save_eagle3
 
     tc = target_config
-    H, V, I = tc.hidden_size, tc.vocab_size, 2 * tc.hidden_size
-    q, kv = tc.num_heads * tc.head_dim, tc.num_kv_heads * tc.head_dim
+    cfg = dataclasses.replace(Eagle3Config.for_target(tc, tuple(layer_ids), tc.vocab_size),
+                              intermediate_size=2 * tc.hidden_size)
     g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, scale=init_std):
-        return torch.randn(*shape, generator=g) * scale
-
-    layer = {"hidden_norm.weight": 1 + r(H), "input_layernorm.weight": 1 + r(H),
-             "post_attention_layernorm.weight": 1 + r(H), "self_attn.q_proj.weight": r(q, 2 * H),
-             "self_attn.k_proj.weight": r(kv, 2 * H), "self_attn.v_proj.weight": r(kv, 2 * H),
-             "self_attn.o_proj.weight": r(H, q), "mlp.gate_proj.weight": r(I, H), "mlp.up_proj.weight": r(I, H),
-             "mlp.down_proj.weight": r(H, I)}
-    tensors = {"fc.weight": r(H, len(layer_ids) * H), "norm.weight": 1 + r(H), "lm_head.weight": r(V, H, scale=2.0),
-               "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool),
-               **{"midlayer." + name: w for name, w in layer.items()}}
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-              "num_attention_heads": tc.num_heads, "num_key_value_heads": tc.num_kv_heads, "head_dim": tc.head_dim,
-              "intermediate_size": I, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
-              "num_hidden_layers": 1, "max_position_embeddings": 2048, "vocab_size": V, "draft_vocab_size": V,
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-    return folder
+    tensors = {}
+    for name, shape in published_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = 1 + torch.randn(shape, generator=g) * init_std
+        elif len(shape) == 2:
+            tensors[name] = torch.randn(shape, generator=g) * (2.0 if name == "lm_head.weight" else init_std)
+    tensors["d2t"], tensors["t2d"] = draft_vocab_maps(torch.arange(tc.vocab_size), tc.vocab_size)
+    return save_eagle3(folder, cfg, tensors, torch.float32)
 
 
 def make_t5_config(vocab_size: int = 512, d_model: int = 64, d_kv: int = 16, d_ff: int = 128, num_layers: int = 2,

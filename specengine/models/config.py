@@ -159,3 +159,15 @@ def parse_rope(raw: dict) -> RopeConfig:
         return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def rope_fields(rope: RopeConfig) -> dict:
+    """A rope's config.json fields, as parse_rope reads them back: rope_theta, and rope_scaling
+    for a scaled one (the form transformers 4 writes, which vLLM and SGLang read)."""
+    if rope.rope_type == "default":
+        return {"rope_theta": rope.theta}
+    scaling = {"rope_type": rope.rope_type, "factor": rope.factor}
+    if rope.rope_type == "llama3":
+        scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                       original_max_position_embeddings=rope.original_max_position_embeddings)
+    return {"rope_theta": rope.theta, "rope_scaling": scaling}

@@ -40,6 +40,11 @@ norm). Pairing: the target's states at position t go with the token at t + 1 (vL
 the pair sits at position t); its output predicts the token at t + 2. The head keeps its own KV
 cache of one layer.
 
+Writing: Eagle3Config.to_dict is the config.json, save_eagle3 the folder (the layer's tensors under
+midlayer.*, as EAGLE and SpecForge write them; published_shapes names every tensor and its shape),
+draft_vocab_maps the d2t and t2d of a trimmed vocabulary: what recipes/train_eagle3.py exports
+with, so the layout is written and read here alone.
+
 Models know nothing of speculation: drafters.eagle3 runs this head.
 """
 from __future__ import annotations
@@ -59,10 +64,17 @@ from ..layers.rotary import RopeConfig, rope_cos_sin, rope_inv_freq
 from ..ops.activation import silu_mul
 from ..ops.attention import attention_mask, cached_attention
 from .backend import RunsOnBackend
-from .config import CheckpointError, ConfigError, parse_rope, read_config
+from .config import CheckpointError, ConfigError, ModelConfig, parse_rope, read_config, rope_fields
 from .loader import safetensors_tensors
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# The layer's tensors' prefixes: EAGLE's and SpecForge's (the one written here), vLLM's.
+LAYER_PREFIXES = ("midlayer.", "layers.0.")
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers a head reads when its config names none (vLLM's): low, middle, high."""
+    return (2, num_layers // 2, num_layers - 3)
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,35 @@ class Eagle3Config:
                               f"{self.vocab_size}")
         if not self.feature_layers:
             raise ConfigError("EAGLE-3 config: no target layers to read (eagle_aux_hidden_state_layer_ids)")
+        if not all(isinstance(i, int) for i in self.feature_layers):
+            raise ConfigError(f"EAGLE-3 config: feature layers must be integers, got {self.feature_layers!r}")
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, feature_layers: tuple[int, ...], draft_vocab_size: int) -> "Eagle3Config":
+        """A head at a target's width, with its heads, MLP size, norm epsilon, rope and context
+        (what recipes/train_eagle3.py trains), reading feature_layers, scoring draft_vocab_size ids."""
+        return cls(hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+                   head_dim=target.head_dim, intermediate_size=target.intermediate_size,
+                   rms_norm_eps=target.rms_norm_eps, rope=target.rope, vocab_size=target.vocab_size,
+                   draft_vocab_size=draft_vocab_size, target_hidden_size=target.hidden_size,
+                   feature_layers=tuple(int(i) for i in feature_layers),
+                   max_position_embeddings=target.max_position_embeddings)
+
+    def to_dict(self, torch_dtype: str = "bfloat16") -> dict:
+        """config.json of the published format (from_dict reads it back whatever the target's
+        depth: the layers read are written, at the top level and inside eagle_config, where vLLM
+        looks for them in that order). torch_dtype: the dtype the weights are saved in."""
+        ids = list(self.feature_layers)
+        return dict(
+            architectures=[ARCHITECTURES[0]], model_type="llama", hidden_act="silu", num_hidden_layers=1,
+            hidden_size=self.hidden_size, target_hidden_size=self.target_hidden_size,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+            draft_vocab_size=self.draft_vocab_size, rms_norm_eps=self.rms_norm_eps, **rope_fields(self.rope),
+            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False, attention_bias=False,
+            mlp_bias=False, norm_before_residual=self.norm_before_residual, torch_dtype=torch_dtype,
+            eagle_aux_hidden_state_layer_ids=ids,
+            eagle_config=dict(eagle_aux_hidden_state_layer_ids=ids, use_aux_hidden_state=True))
 
     @classmethod
     def from_dict(cls, raw: dict, target_layers: int) -> "Eagle3Config":
@@ -114,7 +155,7 @@ class Eagle3Config:
         eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
         ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
         if not ids:
-            ids = (2, target_layers // 2, target_layers - 3)
+            ids = default_feature_layers(target_layers)
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         return cls(hidden_size=hidden, num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
                    head_dim=raw.get("head_dim") or hidden // heads, intermediate_size=raw["intermediate_size"],
@@ -124,6 +165,63 @@ class Eagle3Config:
                    feature_layers=tuple(int(i) for i in ids),
                    norm_before_residual=bool(raw.get("norm_before_residual", False)),
                    max_position_embeddings=raw.get("max_position_embeddings", 2048))
+
+
+def published_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a head in the published layout, by its name as written here (the layer's
+    under midlayer.), and its shape; embed_tokens.weight [vocab_size, H], a head's own embedding,
+    is optional and not listed."""
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = {"hidden_norm.weight": (H,), "input_layernorm.weight": (H,),
+             "self_attn.q_proj.weight": (q, 2 * H), "self_attn.k_proj.weight": (kv, 2 * H),
+             "self_attn.v_proj.weight": (kv, 2 * H), "self_attn.o_proj.weight": (H, q),
+             "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (inter, H),
+             "mlp.up_proj.weight": (inter, H), "mlp.down_proj.weight": (H, inter)}
+    return {"fc.weight": (H, len(cfg.feature_layers) * cfg.target_hidden_size),
+            **{LAYER_PREFIXES[0] + name: shape for name, shape in layer.items()},
+            "norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H),
+            "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
+
+
+def draft_vocab_maps(target_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trimmed vocabulary's maps: draft id d scores target id target_ids[d] ([Vd] distinct ids
+    in [0, vocab_size)). Returns d2t [Vd] int64 (target id = d + d2t[d]) and t2d [vocab_size]
+    bool (the target ids the draft has)."""
+    ids = target_ids.long().cpu()
+    if ids.dim() != 1 or not len(ids):
+        raise ValueError(f"a draft vocabulary is a non-empty list of target ids, got shape {tuple(ids.shape)}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or ids.unique().numel() != ids.numel():
+        raise ValueError(f"a draft vocabulary's target ids must be distinct ids in [0, {vocab_size})")
+    return ids - torch.arange(len(ids)), torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+
+
+def save_eagle3(folder: str | Path, cfg: Eagle3Config, tensors: dict[str, torch.Tensor],
+                dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write a head in the published layout: config.json (cfg.to_dict) and model.safetensors with
+    exactly the tensors published_shapes names (an optional embed_tokens.weight too), the floating
+    ones in dtype, d2t int64, t2d bool. A tensor missing, unknown or of another shape is refused
+    by name, before anything is written."""
+    from safetensors.torch import save_file
+
+    shapes = published_shapes(cfg)
+    optional = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
+    problems = [f"missing {name}" for name in shapes if name not in tensors]
+    problems += [f"unknown {name}" for name in tensors if name not in shapes and name not in optional]
+    problems += [f"{name} has shape {tuple(t.shape)}, the config implies {(shapes | optional)[name]}"
+                 for name, t in tensors.items() if name in shapes | optional
+                 and tuple(t.shape) != (shapes | optional)[name]]
+    if problems:
+        raise CheckpointError("not an EAGLE-3 head in the published layout: " + "; ".join(problems))
+    out = {name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).contiguous().cpu()
+           for name, t in tensors.items()}
+    out["d2t"], out["t2d"] = out["d2t"].long(), out["t2d"].bool()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    dtype_name = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict(dtype_name), indent=2) + "\n")
+    return folder
 
 
 def is_eagle3_folder(path: str | Path) -> bool:
@@ -239,8 +337,8 @@ class Eagle3Head(RunsOnBackend):
 
 
 def _checkpoint_name(name: str) -> str:
-    """A tensor's name in our module: the layer's prefix (midlayer. or layers.0.) dropped."""
-    for prefix in ("midlayer.", "layers.0."):
+    """A tensor's name without the layer's prefix (midlayer. or layers.0.)."""
+    for prefix in LAYER_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
@@ -289,7 +387,10 @@ def load_eagle3(folder: str | Path, target) -> Eagle3Head:
         "mlp.down_proj.weight": (head.down_proj.weight, None),
         "norm.weight": (head.norm.weight, None), "lm_head.weight": (head.lm_head.weight, None),
     }
-    unknown = sorted(set(tensors) - set(expected) - {"d2t", "t2d", "embed_tokens.weight"})
+    # The published names and shapes (save_eagle3 writes the same), the layer's prefix dropped.
+    shapes = {_checkpoint_name(name): shape for name, shape in published_shapes(cfg).items()}
+    assert set(expected) == set(shapes) - {"d2t", "t2d"}, "the loader and published_shapes disagree on the names"
+    unknown = sorted(set(tensors) - set(shapes) - {"embed_tokens.weight"})
     if unknown:
         raise CheckpointError(f"{folder}: tensors an EAGLE-3 head does not have: {', '.join(unknown[:5])}")
     missing = sorted(set(expected) - set(tensors))
@@ -297,11 +398,10 @@ def load_eagle3(folder: str | Path, target) -> Eagle3Head:
         raise CheckpointError(f"{folder}: EAGLE-3 head tensors missing: {', '.join(missing[:5])}")
     with torch.no_grad():
         for name, (param, rows) in expected.items():
-            dest = param if rows is None else param.narrow(0, *rows)
-            if tuple(tensors[name].shape) != tuple(dest.shape):
+            if tuple(tensors[name].shape) != shapes[name]:
                 raise CheckpointError(f"{folder}: {name} has shape {tuple(tensors[name].shape)} but the config "
-                                      f"implies {tuple(dest.shape)}")
-            dest.copy_(tensors[name])
+                                      f"implies {shapes[name]}")
+            (param if rows is None else param.narrow(0, *rows)).copy_(tensors[name])
         if "embed_tokens.weight" in tensors:
             embed = tensors["embed_tokens.weight"]
             if tuple(embed.shape) != (cfg.vocab_size, H):
