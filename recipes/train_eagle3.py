@@ -351,9 +351,11 @@ def dense_rows(module, rows: int) -> torch.Tensor:
     return module.weight.detach().float()
 
 
-def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: list[int], batch_tokens: int) -> dict:
+def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: list[int]) -> dict:
     """For every teach shard, features/<shard>.{aux,final,argmax}.npy; the target's embedding once
-    (embed.npy), and its output matrix (lm_head.npy) when it is not the embedding."""
+    (embed.npy), and its output matrix (lm_head.npy) when it is not the embedding. Each sequence is
+    one forward of its own: its products are GEMMs at any batch, so padding would only add work
+    (a fifth more on the trial's shards grouped into 2048-token batches)."""
     folder = work / "features"
     folder.mkdir(exist_ok=True)
     state_path = work / "features.json"
@@ -372,16 +374,7 @@ def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: lis
     for path in todo:
         t0 = time.time()
         seqs = [s["tokens"] for s in load_teach([path])]
-        results = [None] * len(seqs)
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        group: list[int] = []
-        for i in order + [None]:
-            if i is not None and (not group or len(seqs[i]) * (len(group) + 1) <= batch_tokens):
-                group.append(i)
-                continue
-            for j, r in zip(group, features_of(model, [seqs[j] for j in group])):
-                results[j] = r
-            group = [i] if i is not None else []
+        results = [features_of(model, [seq])[0] for seq in seqs]
         for part, k in (("aux", 0), ("final", 1)):
             np.save(folder / f"{path.stem}.{part}.npy", to_bf16_bits(torch.cat([r[k] for r in results])))
         np.save(folder / f"{path.stem}.argmax.npy", torch.cat([r[2] for r in results]).numpy().astype(np.int32))
@@ -654,7 +647,6 @@ def main(argv=None):
     parser.add_argument("--max-new", type=int, default=160)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--aux-layers", help="comma-separated capture layers (default: vLLM's 2, L // 2, L - 3)")
-    parser.add_argument("--feature-batch-tokens", type=int, default=2048)
     parser.add_argument("--train-minutes", type=float, default=90)
     parser.add_argument("--max-steps", type=int, default=0, help="stop training after this many steps (0: the budget)")
     parser.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training and evaluated")
@@ -700,7 +692,7 @@ def main(argv=None):
                   else list(default_feature_layers(tcfg.num_layers)))
     vocab = timed("vocab", stage_vocab, args.work, train_seqs, held_seqs, args.draft_vocab, tcfg.vocab_size,
                   set(tokenizer.all_special_ids))
-    timed("features", stage_features, args.work, target, teach_train + teach_held, aux_layers, args.feature_batch_tokens)
+    timed("features", stage_features, args.work, target, teach_train + teach_held, aux_layers)
     embed = torch.from_numpy(np.load(args.work / "embed.npy"))
     untied = args.work / "lm_head.npy"
     lm_head = torch.from_numpy(np.load(untied)) if untied.is_file() else embed
