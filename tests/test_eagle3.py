@@ -453,7 +453,7 @@ def test_chunks_cut_by_layers_joins_aborts_and_cached_prompts_keep_outputs(plant
     unchunked = eagle_engine(*planted, gamma=3, prefill_chunk_tokens=None, prefix_cache_bytes=0)
     want = [unchunked.generate([p], s)[0].token_ids for p, s in specs]
     engine = eagle_engine(*planted, gamma=3, prefill_chunk_tokens="auto")
-    engine.prefill_budget = OneLayerAStep(engine.prefill_budget)
+    engine.scheduler.prefill_budget = OneLayerAStep(engine.scheduler.prefill_budget)
     engine.generate([cached_prompt], SamplingParams(max_new_tokens=1))  # its blocks into the prefix cache
     runner = engine.add_request(prompt(5), SamplingParams(max_new_tokens=60, temperature=0))
     outputs, step, pending_seen = {runner: engine.step()[0].new_token_ids}, 0, 0
