@@ -503,7 +503,7 @@ def test_every_rounds_q_is_the_heads_over_the_verified_features(target, tmp_path
     monkeypatch.setattr(drafter, "propose", recording)
     # gamma scripted through rounds without drafts, after which the head catches up on several tokens
     script = iter([3, 0, 0, 2, 0, 0, 0, 1] + [3, 2, 0] * 20)
-    monkeypatch.setattr(engine, "_round_gamma", lambda active: next(script))
+    monkeypatch.setattr(engine.scheduler, "choose_gamma", lambda decoding: next(script))
     specs = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s) for s in range(3)]
     engine.generate([prompt(6, 1), prompt(35, 2), [4]], specs)
     assert engine.last_run_stats.accepted > 0 and engine.last_run_stats.rejections > 0

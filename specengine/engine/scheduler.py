@@ -139,7 +139,7 @@ class Scheduler:
                 layers = share.layers
             joins = self._joins(staged, chunks, layers)
         decoding = batch.requests + [j.request for j in joins]
-        gamma = self._gamma(decoding) if decoding else 0
+        gamma = self.choose_gamma(decoding) if decoding else 0
         return StepPlan(admitted, chunks, layers, joins, decoding, gamma,
                         self._rounds_per_read(decoding, gamma) if decoding else 0)
 
@@ -203,7 +203,8 @@ class Scheduler:
         units = {c.row: c.units for c in chunks} if whole else {}
         return [j for j in staged if j.done + units.get(j, 0) == j.units]
 
-    def _gamma(self, decoding: list[Request]) -> int:
+    def choose_gamma(self, decoding: list[Request]) -> int:
+        """The rounds' gamma for these rows: the fixed one, or the controller's choice."""
         controller = self._gamma_controller()
         if controller is None:
             return self.gamma
