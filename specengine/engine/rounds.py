@@ -10,14 +10,16 @@ A round, for every row of the batch:
 
 The rounds between two reads from the device share one log, an int64 tensor [rows, columns] laid
 out by RoundLog: it goes to the device in one copy and comes back in one read, which gives each
-row a RoundResult. How many rounds per read (EngineConfig.rounds_per_read):
+row a RoundResult. How many rounds per read: the step's plan says how many at most
+(engine.scheduler, from EngineConfig.rounds_per_read and the rows' room), and the round runner
+runs one where its drafter cannot draft from device state now:
   - one, a host round: drafted from the host's sequences (any drafter), the target's forward run
     eagerly on a growing cache or as a fixed-shape step (steps.graphs), read at once;
   - a block of several, on the fixed-shape steps: each round also writes the next round's inputs
     (each row's last two tokens and length) into the log, so that a whole round is device ops,
-    one graph per (batch bucket, gamma) replayed back to back on a GPU. The host chooses the block
-    so that every round in it drafts exactly what a host round would (full budgets for every row),
-    so the tokens are the same; rows that stop inside a block (EOS, a stop string) are trimmed when
+    one graph per (batch bucket, gamma) replayed back to back on a GPU. The scheduler chooses the
+    block so that every round in it drafts exactly what a host round would (full budgets for every
+    row), so the tokens are the same; rows that stop inside a block (EOS, a stop string) are trimmed when
     it is read (the rounds computed past their end count in their statistics).
 
 A row whose logits broke (NaN, +inf) keeps nothing of the rounds read: rows are independent, so
@@ -169,8 +171,9 @@ _UNMARKED = Phases()  # the parts of a round inside a block: the block marks eac
 
 
 class RoundRunner:
-    """Runs the running batch's rounds, up to rounds_per_read of them before each read (see the
-    module's docstring)."""
+    """Runs the running batch's rounds, up to the plan's rounds per read before each read (see the
+    module's docstring); the model runner's (engine.runner). rounds_per_read: the setting, the
+    most a block's log holds."""
 
     def __init__(self, target, drafter: Drafter | None, target_steps: FixedShapeSteps | None, verify_impl: str,
                  phases: Phases, max_seq_len: int, rounds_per_read: int = 1):
