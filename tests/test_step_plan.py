@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from specengine import Engine, SamplingParams
+from specengine import SamplingParams
 from specengine.engine.batch import PrefillChunk, Prefilling
 from specengine.engine.prefill_budget import PrefillBudget, PrefillShare
 from specengine.engine.request import DecodeStats, Request

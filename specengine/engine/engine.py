@@ -39,8 +39,8 @@ from .outputs import Outputs
 from .phases import Phases
 from .prefill_budget import PrefillBudget
 from .request import DecodeStats, Request, RequestOutput, Result
-from .runner import ModelRunner, StepOutcome
-from .scheduler import Scheduler, StepPlan
+from .runner import ModelRunner
+from .scheduler import Scheduler, StepOutcome, StepPlan
 
 log = logging.getLogger("specengine")
 
@@ -256,9 +256,7 @@ class Engine:
             if r.finish_reason is not None:
                 finished.append(r)
         round_s = ((outcome.rounds_s + time.perf_counter() - start) / outcome.rounds if outcome.rounds else None)
-        prefill = outcome.prefill
-        self.scheduler.observe(plan, None if prefill is None else (prefill.tokens, prefill.share, prefill.seconds),
-                               outcome.rounds, outcome.gamma, round_s, finished)
+        self.scheduler.observe(plan, outcome, round_s, finished)
         return failure
 
     @torch.inference_mode()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
@@ -39,33 +38,8 @@ from .phases import Phases
 from .prefill_budget import CHUNK
 from .prefix_cache import BLOCK, PrefixCache, default_budget
 from .request import Request
-from .rounds import RoundResult, RoundRunner
-from .scheduler import Admission, StepPlan
-
-
-@dataclass
-class PrefillDone:
-    """What a step's prefill did."""
-    tokens: int      # of the step's budget, what its chunks count (prompt tokens)
-    share: float     # of those chunks' target layers, the share it ran (1.0: whole chunks)
-    seconds: float   # its wall time, draft model included
-
-
-@dataclass
-class StepOutcome:
-    """What carrying out a plan did."""
-    prefill: PrefillDone | None      # None: nothing was prefilled (no rows admitted or staged)
-    results: list[RoundResult]       # one per row of plan.decoding (none: no rounds ran)
-    gamma: int                       # the drafts a round made per row at most (fewer than the plan's near the rows' limits)
-    rounds_s: float = 0.0            # the rounds' wall time
-
-    def __post_init__(self):
-        if len({r.rounds for r in self.results}) > 1:
-            raise ValueError("the rows of a step run the same rounds")
-
-    @property
-    def rounds(self) -> int:
-        return self.results[0].rounds if self.results else 0
+from .rounds import RoundRunner
+from .scheduler import Admission, PrefillDone, StepOutcome, StepPlan
 
 
 class ModelRunner:

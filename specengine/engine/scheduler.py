@@ -28,7 +28,7 @@ from .gamma import GammaController
 from .prefill_budget import CHUNK, PrefillBudget
 from .prefix_cache import BLOCK, Block, PrefixCache, block_keys
 from .request import Request
-from .rounds import rooms, rounds_that_fit
+from .rounds import RoundResult, rooms, rounds_that_fit
 
 log = logging.getLogger("specengine")
 
@@ -70,6 +70,31 @@ class StepPlan:
             raise ValueError("a plan gives a row one chunk at most")
         if [r.request for r in self.joins] != self.decoding[len(self.decoding) - len(self.joins):]:
             raise ValueError("the rows that join decode last, in their order")
+
+
+@dataclass
+class PrefillDone:
+    """What a step's prefill did."""
+    tokens: int      # of the step's budget, what its chunks count (prompt tokens)
+    share: float     # of those chunks' target layers, the share it ran (1.0: whole chunks)
+    seconds: float   # its wall time, draft model included
+
+
+@dataclass
+class StepOutcome:
+    """What carrying out a plan did."""
+    prefill: PrefillDone | None      # None: nothing was prefilled (no rows admitted or staged)
+    results: list[RoundResult]       # one per row of plan.decoding (none: no rounds ran)
+    gamma: int                       # the drafts a round made per row at most (fewer than the plan's near the rows' limits)
+    rounds_s: float = 0.0            # the rounds' wall time
+
+    def __post_init__(self):
+        if len({r.rounds for r in self.results}) > 1:
+            raise ValueError("the rows of a step run the same rounds")
+
+    @property
+    def rounds(self) -> int:
+        return self.results[0].rounds if self.results else 0
 
 
 class Scheduler:
@@ -223,14 +248,13 @@ class Scheduler:
 
     # ---- what the step taught -----------------------------------------------------------------
 
-    def observe(self, plan: StepPlan, prefill: tuple[int, float, float] | None, rounds: int, gamma: int,
-                round_s: float | None, finished: list[Request]):
-        """After a step: its prefill's (tokens, share of the chunks' layers run, seconds), the
-        rounds it ran, the drafts a round made per row at most, a round's seconds, and the
-        requests that finished in it."""
+    def observe(self, plan: StepPlan, outcome: StepOutcome, round_s: float | None, finished: list[Request]):
+        """After a step: what carrying its plan out did, a round's seconds (its outcome applied
+        included), and the requests that finished in it."""
+        prefill, gamma = outcome.prefill, outcome.gamma
         if prefill is not None:
-            self.prefill_budget.observe_prefill(*prefill)
-        if not rounds:
+            self.prefill_budget.observe_prefill(prefill.tokens, prefill.share, prefill.seconds)
+        if not outcome.rounds:
             return
         controller = self._gamma_controller()
         self.prefill_budget.observe_round(round_s)
