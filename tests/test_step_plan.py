@@ -147,3 +147,33 @@ def test_a_plan_naming_other_rows_to_join_is_refused(models):
     wrong = StepPlan(plan.admitted, plan.chunks, plan.layers, [row], [row.request], plan.gamma, 1)
     with pytest.raises(RuntimeError, match="other rows than the plan said"):
         engine.runner.run(wrong)
+
+
+GREEDY6 = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+def test_a_step_whose_planning_fails_ends_the_requests_it_admitted_and_keeps_serving(models, monkeypatch):
+    engine = make_engine(models, "model", prefill_chunk_tokens=32)
+    want = engine.generate([prompt(70, seed=1)], GREEDY6)[0].token_ids
+    engine.add_request(prompt(70, seed=1), GREEDY6, "runs")
+    assert engine.step()[0].new_token_ids == want[:1]
+
+    def broken(*args):
+        raise RuntimeError("lookup failed")
+
+    monkeypatch.setattr(engine.prefix_cache, "match", broken)
+    engine.add_request(prompt(80, seed=2), GREEDY6, "planned")
+    with pytest.raises(RuntimeError, match="lookup failed"):
+        engine.step()
+    monkeypatch.undo()
+    outputs = {}
+    for _ in range(50):  # a request lost off the queue would leave it unfinished for ever
+        if not (engine.has_unfinished_requests() or engine.has_pending_outputs()):
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    (ended,) = outputs["planned"]
+    assert ended.finish_reason == "abort" and "planning its step failed (RuntimeError: lookup failed)" in ended.message
+    assert engine.num_waiting == 0 and engine.num_running == 0
+    assert [t for out in outputs["runs"] for t in out.new_token_ids] == want[1:]  # its first came before
+    assert engine.generate([prompt(70, seed=1)], GREEDY6)[0].token_ids == want

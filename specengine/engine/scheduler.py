@@ -141,9 +141,21 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """The next step: admissions, the prefill's chunks, and for the rows that then decode the
-        rounds' gamma and the most rounds before a read."""
+        rounds' gamma and the most rounds before a read. Should planning fail, the requests it took
+        off the queue end (the rows held stay as they were)."""
+        held = self.batch.rows_held
+        free = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - held
+        taken = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        try:
+            return self._plan(taken)
+        except BaseException as exc:
+            for r in taken:
+                self.end(r, f"aborted: planning its step failed ({type(exc).__name__}: {exc})")
+            raise
+
+    def _plan(self, taken: list[Request]) -> StepPlan:
         batch = self.batch
-        admitted = self._admit()
+        admitted = self._admit(taken)
         staged = batch.prefilling + [a.row for a in admitted]
         chunks, layers, joins = [], None, []
         if staged:
@@ -168,15 +180,12 @@ class Scheduler:
         return StepPlan(admitted, chunks, layers, joins, decoding, gamma,
                         self._rounds_per_read(decoding, gamma) if decoding else 0)
 
-    def _admit(self) -> list[Admission]:
-        """Waiting requests that get a row now, first come first served (taken off the queue),
-        each with the prefix cache's blocks of its prompt. Requests admitted together take rows by
-        prompt length: the shorter join sooner, and chunks of similar length share prefill calls
-        (row order does not matter: seeded rows sample alike anywhere)."""
-        held = self.batch.rows_held
-        free = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - held
-        requests = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-        return [self._admission(r) for r in sorted(requests, key=lambda r: len(r.prompt_token_ids))]
+    def _admit(self, taken: list[Request]) -> list[Admission]:
+        """The requests taken off the queue for free rows (first come first served), each with the
+        prefix cache's blocks of its prompt. Requests admitted together take rows by prompt length:
+        the shorter join sooner, and chunks of similar length share prefill calls (row order does
+        not matter: seeded rows sample alike anywhere)."""
+        return [self._admission(r) for r in sorted(taken, key=lambda r: len(r.prompt_token_ids))]
 
     def _admission(self, request: Request) -> Admission:
         j = self._staged_row(request)
