@@ -97,7 +97,7 @@ def assert_kernels_ran(*models):
 
 
 def join(drafter, prompts: list[list[int]], capacity: int = 32):
-    """Requests join a drafter as they join the engine's running batch (engine.batch): with a
+    """Requests join a drafter as they join the engine's running batch (engine.runner): with a
     staged_cache, each gets a staged row there holding all but its prompt's last token (prefilled
     whole), promoted to a row in use; then join_rows."""
     from specengine.steps.feed import feed

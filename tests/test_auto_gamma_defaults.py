@@ -52,9 +52,9 @@ def test_a_draft_whose_every_proposal_fails_stops_drafting_and_probes_ever_more_
     costs = CostModel(0.2, tuple(1.0 + 0.1 * k for k in range(9)))  # drafting pays from alpha ~0.3
     engine = Engine(target, drafter=ModelDrafter(contrary, V, V), costs=costs)  # the default gamma
     gammas = []
-    real = engine.round_runner.run
-    monkeypatch.setattr(engine.round_runner, "run",
-                        lambda batch, gamma: (gammas.append(gamma), real(batch, gamma))[1])
+    real = engine.runner.rounds.run
+    monkeypatch.setattr(engine.runner.rounds, "run",
+                        lambda batch, gamma, rounds: (gammas.append(gamma), real(batch, gamma, rounds))[1])
     params = SamplingParams(max_new_tokens=400, temperature=0)
     (result,) = engine.generate([[1, 2, 3]], params)
     assert result.token_ids == Engine(target).generate([[1, 2, 3]], params)[0].token_ids
@@ -84,9 +84,9 @@ def spy_measurements(monkeypatch, engine: Engine) -> list:
         return real_measure(*args, batch_size=batch_size, widths=widths, **kwargs)
 
     monkeypatch.setattr(engine_module, "measure_costs", measure)
-    real_run = engine.round_runner.run
-    monkeypatch.setattr(engine.round_runner, "run",
-                        lambda batch, gamma: (events.append(("round", len(batch))), real_run(batch, gamma))[1])
+    real_run = engine.runner.rounds.run
+    monkeypatch.setattr(engine.runner.rounds, "run",
+                        lambda batch, gamma, rounds: (events.append(("round", len(batch))), real_run(batch, gamma, rounds))[1])
     return events
 
 

@@ -1,4 +1,4 @@
-"""Chunked prefill (engine.batch, engine.prefill_budget): a joining prompt is prefilled a chunk a
+"""Chunked prefill (engine.scheduler, engine.runner, engine.prefill_budget): a joining prompt is prefilled a chunk a
 step, interleaved with the running rows' rounds, and every token is the one an unchunked prefill
 gives: cache entries bit for bit at chunk edges, greedy and seeded outputs on every path (the
 fixed-shape steps and device rounds too, whose padding rows may be staged rows), requests aborted
@@ -10,11 +10,8 @@ import torch
 
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
-from specengine.engine.batch import RunningBatch
 from specengine.engine.config import EngineConfig
 from specengine.engine.prefill_budget import PrefillBudget, PrefillShare
-from specengine.engine.request import DecodeStats, Request
-from specengine.engine.scheduler import Scheduler
 
 from engine_util import make_engine
 
@@ -44,20 +41,32 @@ def prompt(n: int, seed: int = 0, vocab: int = V) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def request(tokens: list[int], request_id: str = "r") -> Request:
-    return Request(request_id, tokens, SamplingParams(), 0, DecodeStats(gamma=0, prompt_tokens=len(tokens)))
+class FixedShare(PrefillBudget):
+    """A budget of `tokens` a step, `layers` of a chunk's layers a step, whether rows decode or not."""
+
+    def __init__(self, tokens: int | None, layers: int | None):
+        super().__init__(tokens)
+        self.share = PrefillShare(tokens, layers)
+
+    def next(self, decoding: bool) -> PrefillShare:
+        return self.share
 
 
 def prefilled_rows(model, prompts: list[list[int]], budget: int | None,
                    layers: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each prompt's K/V entries after a prefill under this budget a step, `layers` of a chunk's
-    layers a step (all prompts joining at once)."""
-    scheduler = Scheduler(RunningBatch(model, None, None, 1024), None)
-    batch, steps = scheduler.batch, 0
+    layers a step (all prompts joining at once): the scheduler's plans, their prefill only."""
+    engine = Engine(model, prefill_chunk_tokens=budget, prefix_cache_bytes=0)
+    scheduler, runner, steps = engine.scheduler, engine.runner, 0
+    scheduler.prefill_budget = FixedShare(budget, layers)
+    batch = runner.batch
     with torch.inference_mode():
-        scheduler.stage([request(p, str(i)) for i, p in enumerate(prompts)])
+        for i, p in enumerate(prompts):
+            engine.add_request(p, request_id=str(i))
+        runner.prefill(scheduler.schedule())
+        steps += 1
         while batch.prefilling:
-            scheduler.prefill(PrefillShare(budget, layers))
+            runner.prefill(scheduler.schedule())
             steps += 1
     chunks = 1 if budget is None else -(-sum(len(p) - 1 for p in prompts) // budget)
     assert steps >= chunks + (layers is not None)  # chunks of 32 tokens or more ran over several steps
@@ -155,7 +164,7 @@ def test_chunks_run_a_few_layers_a_step_with_the_tokens_of_an_unchunked_prefill(
 
     chosen = ModelDrafter(draft, V, V) if drafter == "model" else None
     engine = Engine(target, drafter=chosen, gamma=3, prefill_chunk_tokens="auto")
-    engine.prefill_budget = OneLayerAStep("auto")
+    engine.scheduler.prefill_budget = OneLayerAStep("auto")
     engine.generate([cached_prompt], SamplingParams(max_new_tokens=1))  # its blocks into the prefix cache
     runner = engine.add_request(prompt(5), SamplingParams(max_new_tokens=60, temperature=0))
     outputs, step, pending_seen = {runner: engine.step()[0].new_token_ids}, 0, 0

@@ -483,7 +483,7 @@ def test_chunks_cut_by_layers_joins_aborts_and_cached_prompts_keep_outputs(plant
     unchunked = eagle_engine(*planted, gamma=3, prefill_chunk_tokens=None, prefix_cache_bytes=0)
     want = [unchunked.generate([p], s)[0].token_ids for p, s in specs]
     engine = eagle_engine(*planted, gamma=3, prefill_chunk_tokens="auto")
-    engine.prefill_budget = OneLayerAStep(engine.prefill_budget)
+    engine.scheduler.prefill_budget = OneLayerAStep(engine.scheduler.prefill_budget)
     engine.generate([cached_prompt], SamplingParams(max_new_tokens=1))  # its blocks into the prefix cache
     runner = engine.add_request(prompt(5), SamplingParams(max_new_tokens=60, temperature=0))
     outputs, step, pending_seen = {runner: engine.step()[0].new_token_ids}, 0, 0
@@ -533,7 +533,7 @@ def test_every_rounds_q_is_the_heads_over_the_verified_features(target, tmp_path
     monkeypatch.setattr(drafter, "propose", recording)
     # gamma scripted through rounds without drafts, after which the head catches up on several tokens
     script = iter([3, 0, 0, 2, 0, 0, 0, 1] + [3, 2, 0] * 20)
-    monkeypatch.setattr(engine, "_round_gamma", lambda active: next(script))
+    monkeypatch.setattr(engine.scheduler, "choose_gamma", lambda decoding: next(script))
     specs = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s) for s in range(3)]
     engine.generate([prompt(6, 1), prompt(35, 2), [4]], specs)
     assert engine.last_run_stats.accepted > 0 and engine.last_run_stats.rejections > 0

@@ -204,7 +204,7 @@ def test_the_drafters_host_lengths_follow_verification_through_rounds_without_dr
     draft = tiny_model(V, seed=5, num_layers=1, logit_scale=3.0)
     engine = Engine(target, drafter=ModelDrafter(draft, V, V), gamma=3, cuda_graphs=static_steps, max_batch_size=4)
     gammas = iter([3, 0, 0, 3, 3, 0, 3, 0, 0, 0, 3] * 4)
-    engine._round_gamma = lambda active: next(gammas)
+    engine.scheduler.choose_gamma = lambda decoding: next(gammas)
     for seed in range(3):
         engine.add_request([1 + seed, 2, 3], SamplingParams(max_new_tokens=30, temperature=1.0, seed=seed))
     checked = 0

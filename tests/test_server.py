@@ -473,7 +473,7 @@ def test_a_step_that_fails_mid_request_ends_it_cleanly_and_the_server_keeps_serv
 
     base_url, async_engine, _ = server
     engine = async_engine.engine
-    run = engine.round_runner.run
+    run = engine.runner.rounds.run
     rounds = []
 
     def failing(*args, **kwargs):
@@ -482,7 +482,7 @@ def test_a_step_that_fails_mid_request_ends_it_cleanly_and_the_server_keeps_serv
             raise RuntimeError("a planted failure in the round")
         return run(*args, **kwargs)
 
-    monkeypatch.setattr(engine.round_runner, "run", failing)
+    monkeypatch.setattr(engine.runner.rounds, "run", failing)
     params = dict(model=MODEL, max_tokens=200, temperature=0.0, extra_body={"ignore_eos": True})
     answers = []
 

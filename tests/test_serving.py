@@ -499,7 +499,7 @@ def test_a_prompts_cache_entries_do_not_depend_on_the_prompts_prefilled_with_it(
 
 
 def test_a_failed_prefill_ends_only_the_joiners(models, monkeypatch):
-    from specengine.engine import batch
+    from specengine.engine import runner
 
     engine = make_engine(models)
     want = engine.generate([PROMPTS[1]], params(1))[0].token_ids
@@ -507,13 +507,13 @@ def test_a_failed_prefill_ends_only_the_joiners(models, monkeypatch):
     engine.add_request(PROMPTS[1], params(1), "runs")
     first = engine.step()
     engine.add_request(PROMPTS[3], params(3), "joins")
-    real = batch.prefill_chunks
+    real = runner.prefill_chunks
 
     def broken(*args):
         real(*args)  # rows fed, then the failure
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(batch, "prefill_chunks", broken)
+    monkeypatch.setattr(runner, "prefill_chunks", broken)
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.step()
     monkeypatch.undo()

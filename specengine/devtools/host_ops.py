@@ -70,18 +70,19 @@ class HostOps(TorchDispatchMode):
 
 def per_round(engine, prompts, params) -> dict[str, float]:
     """Host ops and reads per round of engine.generate(prompts, params), its prefill left out
-    (only the rounds' own work, Engine._run_round, is counted); and of the rounds run in blocks
+    (only the rounds' own work, the model runner's RoundRunner.run, is counted); and of the rounds run in blocks
     from device state (engine.rounds.RoundRunner._block), their ops per round and reads per block,
     the block's setup and its one read included."""
     from ..engine.rounds import RoundRunner
 
     counter = HostOps()
-    run_round, run_block = engine._run_round, RoundRunner._block
+    round_runner = engine.runner.rounds
+    run_round, run_block = round_runner.run, RoundRunner._block
     blocks = dict(blocks=0, rounds=0, ops=0, reads=0)
 
-    def counted(joined):
+    def counted(*args):
         with counter.count():
-            return run_round(joined)
+            return run_round(*args)
 
     def counted_block(runner, sampling, sequences, gamma, rounds):
         ops, reads = counter.ops, counter.reads
@@ -93,13 +94,13 @@ def per_round(engine, prompts, params) -> dict[str, float]:
             blocks["ops"] += counter.ops - ops
             blocks["reads"] += counter.reads - reads
 
-    engine._run_round = counted
+    round_runner.run = counted
     RoundRunner._block = counted_block
     try:
         with counter:
             engine.generate(prompts, params)
     finally:
-        del engine._run_round
+        del round_runner.run
         RoundRunner._block = run_block
     rounds = engine.last_run_rounds
     result = dict(rounds=rounds, ops_per_round=counter.ops / rounds, reads_per_round=counter.reads / rounds)

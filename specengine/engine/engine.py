@@ -1,20 +1,21 @@
 """The speculative decoding loop (Leviathan et al. Algorithm 1) over a batch of requests.
 
-Requests are added at any time (add_request) and join the running batch at a round boundary;
-step() admits them (rows, and what the prefix cache holds of their prompts), prefills a chunk
-of their prompts, runs one round for every running request and applies what each row emitted,
-reporting it (RequestOutput); abort() ends one at once. generate() and stream() are
-loops over them. Each round, for the rows still running:
+Requests are added at any time (add_request) and join the running batch at a round boundary.
+step() is three calls: the scheduler plans the step (admissions into rows with what the prefix
+cache holds of their prompts, a chunk of the prompts being prefilled, the rounds' gamma and how
+many rounds before a read), the model runner carries the plan out (the forwards), and what each
+row emitted is applied and reported (RequestOutput); abort() ends one at once. generate() and
+stream() are loops over them. Each round, for the rows still running:
   1. the drafter proposes up to gamma tokens per row (fewer near a row's limits);
   2. the target scores [last token, drafts] in one forward at each row's cache length;
   3. verify accepts a prefix of the drafts and emits one more token per row;
   4. each cache's length becomes what the sequence holds: that is the whole rollback.
-Without a drafter every round is plain target-only decoding through the same code. With an
-encoder-decoder target (T5) the prompt is the encoder's input: each model encodes it once, when
-its row joins, and the sequence the rounds extend starts at the decoder's start token.
+Without a drafter every round is plain target-only decoding through the same code. An
+encoder-decoder target (T5) differs only behind the model runner (and in intake).
 
-The parts, one job each: intake (prompts and parameters into requests), scheduler (queue, rows,
-aborts), rounds (the round runner), outputs (stop conditions, statistics, text).
+The parts, one job each: intake (prompts and parameters into requests), scheduler (the plan of
+each step, the queue, aborts), runner (the forwards: prefill, staging, prefix-cache copies, the
+rounds of engine.rounds), outputs (stop conditions, statistics, text).
 """
 from __future__ import annotations
 
@@ -30,19 +31,16 @@ from ..drafters.base import Drafter
 from ..models.loader import Model
 from ..sampling.batch import InvalidLogitsError
 from ..sampling.params import SamplingParams
-from .batch import RunningBatch
 from .config import EngineConfig
 from .costs import CostStore, OtherLoad, measure_costs, timed_widths
 from .gamma import CostModel, CostTable, GammaController
-from ..steps.graphs import FixedShapeSteps
 from .intake import Intake, Prompt
 from .outputs import Outputs
 from .phases import Phases
 from .prefill_budget import PrefillBudget
-from .prefix_cache import PrefixCache, default_budget
 from .request import DecodeStats, Request, RequestOutput, Result
-from .rounds import RoundRunner
-from .scheduler import Scheduler
+from .runner import ModelRunner
+from .scheduler import Scheduler, StepOutcome, StepPlan
 
 log = logging.getLogger("specengine")
 
@@ -65,19 +63,7 @@ class Engine:
             config = EngineConfig(**options)
         elif options:
             raise TypeError(f"pass options in the config or as keywords, not both (got {sorted(options)})")
-        draft_model = drafter.model if drafter is not None else None
-        if draft_model is not None and draft_model.is_encoder_decoder != target.is_encoder_decoder:
-            kinds = {True: "an encoder-decoder model", False: "a decoder-only model"}
-            raise ValueError(f"the target is {kinds[target.is_encoder_decoder]} but the draft is "
-                             f"{kinds[draft_model.is_encoder_decoder]}: a draft must read the prompt as its target "
-                             "does (pair T5 with T5, or use the ngram drafter)")
-        if target.is_encoder_decoder and config.cuda_graphs:
-            raise ValueError("cuda_graphs runs decoder-only targets; an encoder-decoder target decodes eagerly "
-                             "(drop cuda_graphs)")
         self.config, self.target, self.tokenizer, self.drafter = config, target, tokenizer, drafter
-        if not target.is_encoder_decoder:
-            # A feature drafter reads states of the target's layers, captured in its every forward.
-            target.capture_features(drafter.feature_layers if drafter is not None else ())
         self.auto_gamma = drafter is not None and config.gamma == "auto"
         # The most drafts a round may propose.
         self.gamma = 0 if drafter is None else config.max_gamma if self.auto_gamma else config.gamma
@@ -94,28 +80,20 @@ class Engine:
         self.phases = Phases(config.nvtx, config.time_phases)
         self.max_batch_size = config.max_batch_size
 
-        self.target_steps: FixedShapeSteps | None = None
-        if config.cuda_graphs:
-            if target.device.type != "cuda":
-                log.info("cuda_graphs: %s is not a CUDA device; the fixed-shape steps run eagerly", target.device)
-            self.target_steps = FixedShapeSteps(target, config.max_batch_size, self.max_seq_len)
-            if drafter is not None:
-                drafter.use_static_steps(config.max_batch_size, self.max_seq_len)
-        self.round_runner = RoundRunner(target, drafter, self.target_steps, config.verify_impl, self.phases,
-                                        self.max_seq_len, config.rounds_per_read)
+        if config.cuda_graphs and target.device.type != "cuda":
+            log.info("cuda_graphs: %s is not a CUDA device; the fixed-shape steps run eagerly", target.device)
+        self.runner = ModelRunner(target, drafter, max_seq_len=self.max_seq_len, cuda_graphs=config.cuda_graphs,
+                                  max_batch_size=config.max_batch_size, verify_impl=config.verify_impl,
+                                  rounds_per_read=config.rounds_per_read,
+                                  prefix_cache_bytes=config.prefix_cache_bytes, phases=self.phases)
+        self.target_steps, self.prefix_cache = self.runner.target_steps, self.runner.prefix_cache
         self.intake = Intake(target, tokenizer, self.max_seq_len, self.gamma)
-        # Prompt prefixes' KV across requests; an encoder reads its input both ways, so no
-        # prefix of it has entries of its own (T5 keeps none).
-        cache_bytes = (default_budget(target.device) if config.prefix_cache_bytes == "auto"
-                       else config.prefix_cache_bytes)
-        self.prefix_cache = (PrefixCache(cache_bytes) if cache_bytes and not target.is_encoder_decoder
-                             else None)
-        # A decoder-only target's chunk may run a few layers a step (engine.batch); an encoder's
-        # prefill is cut by encoder blocks instead.
-        self.prefill_budget = PrefillBudget(config.prefill_chunk_tokens, target.tp,
-                                            None if target.is_encoder_decoder else len(target.model.layers))
-        self.scheduler = Scheduler(RunningBatch(target, drafter, self.target_steps, self.max_seq_len,
-                                                self.prefix_cache), config.max_batch_size)
+        self.scheduler = Scheduler(self.runner.batch, config.max_batch_size,
+                                   PrefillBudget(config.prefill_chunk_tokens, target.tp, self.runner.chunk_layers),
+                                   self.prefix_cache, self.runner.staged_row, self.runner.chunk_layers,
+                                   drafter is not None and bool(drafter.feature_layers),
+                                   self.max_seq_len, config.rounds_per_read, self.gamma,
+                                   lambda: self.gamma_controller, target.tp)
         self.outputs = Outputs(tokenizer, self.eos_token_ids, self.max_seq_len)
         self._costs = costs
         # Ranks of a split target time their calls together (collectives): a store read by one
@@ -130,7 +108,6 @@ class Engine:
         self.last_run_phases: dict[str, float] | None = None
         self.last_run_stats: DecodeStats | None = None
         self.last_run_rounds = 0  # rounds of the whole batch (loop iterations) in the last run
-        self._previous_gamma = 0  # the last round's drafts (before the first: none, and the draft model unfed)
         self._run_start, self._run_rounds = 0.0, 0  # see _start_run
 
     @classmethod
@@ -183,7 +160,7 @@ class Engine:
             if self.target_steps is not None:
                 # Fixed-shape steps are timed on the persistent caches the requests use: every size
                 # now, before any request holds a row (and every width: this also captures their graphs).
-                if self.scheduler.batch.rows_held:
+                if self.runner.batch.rows_held:
                     raise RuntimeError("costs are measured before the first request runs")
                 costs.cover(max(costs.batch_sizes))
                 for steps in (self.target_steps, self.drafter.steps):
@@ -239,87 +216,48 @@ class Engine:
         an output decodes its request's text)."""
         scheduler = self.scheduler
         outputs = [self.outputs.output(r) for r in scheduler.take_ended()]
-        joined = self._admit()
-        if not scheduler.decoding:
-            return outputs
+        plan = scheduler.schedule()
         try:
-            failure = self._run_round(joined)
+            outcome = self.runner.run(plan)
         except BaseException as exc:
-            # The round's rows are in no known state: end them all, and keep serving the rest.
-            scheduler.end_running(f"aborted: the round failed ({type(exc).__name__}: {exc})")
+            # A failed prefill ends the requests being prefilled; a failed round, every row's (their
+            # rows are in no known state). The others keep being served.
+            scheduler.fail(plan, self.runner.part, exc)
             raise
+        failure = self._apply(plan, outcome)
+        if not plan.decoding:
+            return outputs
         if failure is not None:
             # Only the broken rows ended; what the others gained is reported with the next step.
             scheduler.release(report=True)
             raise failure
         if report:
-            outputs += [self.outputs.output(r) for r in scheduler.decoding]
+            outputs += [self.outputs.output(r) for r in plan.decoding]
         scheduler.release()
         return outputs
 
-    def _admit(self) -> bool:
-        """Move waiting requests into free rows (with what the prefix cache holds of their prompts)
-        and prefill the prompts being prefilled up to the step's budget, the target and the draft model in
-        the same chunks; whether any request joined the running ones."""
-        scheduler = self.scheduler
-        admitted = scheduler.admissions()
-        if not admitted and not scheduler.batch.prefilling:
-            return False
-        controller = self.gamma_controller
-        if controller is not None:
-            rows = scheduler.batch.rows_held + len(admitted)
-            # Costs not measured yet for batches this large are measured now, not in a round,
-            # whose timing would teach the controller a measurement as its overhead.
-            controller.costs_by_batch.cover(rows)
-            for r in admitted:
-                r.acceptance = controller.new_estimate(rows, greedy=r.params.temperature == 0)
-        share = self.prefill_budget.next(decoding=bool(scheduler.decoding))
-        with self.phases("prefill"):
-            if admitted:
-                scheduler.stage(admitted)
-            start = time.perf_counter()
-            done = scheduler.prefill(share)
-        self.prefill_budget.observe_prefill(done.tokens, done.share, time.perf_counter() - start)
-        return bool(done.joined)
-
-    def _run_round(self, joined: bool) -> InvalidLogitsError | None:
-        """The rounds of every running request up to the next read (one, or a block), applied to
-        each. A row whose logits broke (NaN, +inf) ends alone, keeping nothing of them: the error
-        is returned, to raise once the others' tokens are kept (rows are independent)."""
-        round_start = time.perf_counter()
-        active = self.scheduler.decoding
-        controller = self.gamma_controller
-        gamma = self._round_gamma(active)
-        results, gamma = self.round_runner.run(self.scheduler.batch, gamma)
-        if self._check_ranks:
-            tokens = [t for result in results for t in [len(result.tokens), *result.tokens]]
+    def _apply(self, plan: StepPlan, outcome: StepOutcome) -> InvalidLogitsError | None:
+        """What each row emitted, applied to its request; what the step took, to the scheduler. A
+        row whose logits broke (NaN, +inf) ends alone, keeping nothing of them: the error is
+        returned, to raise once the others' tokens are kept (rows are independent)."""
+        start = time.perf_counter()
+        if self._check_ranks and outcome.results:
+            tokens = [t for result in outcome.results for t in [len(result.tokens), *result.tokens]]
             self.target.tp.check_same(torch.tensor(tokens, device=self.target.tp.device),
-                                      f"tokens emitted in round {self.round_runner.rounds_run}")
-        failure = None
-        for r, result in zip(active, results):
+                                      f"tokens emitted in round {self.runner.rounds.rounds_run}")
+        failure, finished = None, []
+        for r, result in zip(plan.decoding, outcome.results):
             if result.failure is not None:
                 failure = failure or InvalidLogitsError(result.failure)
                 self.scheduler.end(r, f"aborted: its round failed ({result.failure})")
                 continue
             r.acceptance.update(result.accepted, result.rejections)
             self.outputs.apply(r, result)
-            if r.finish_reason is not None and controller is not None:
-                controller.observe_finished(r.acceptance, r.stats.accepted, r.stats.rejections)
-        round_s = (time.perf_counter() - round_start) / results[0].rounds
-        self.prefill_budget.observe_round(round_s)
-        if controller is not None:
-            # A drafting round after rounds without drafts, or with rows that just joined, also
-            # fed the draft model what it lacked.
-            controller.observe_round(len(active), gamma, round_s, after_gap=self._previous_gamma == 0 or joined)
-        self._previous_gamma = gamma
+            if r.finish_reason is not None:
+                finished.append(r)
+        round_s = ((outcome.rounds_s + time.perf_counter() - start) / outcome.rounds if outcome.rounds else None)
+        self.scheduler.observe(plan, outcome, round_s, finished)
         return failure
-
-    def _round_gamma(self, active: list[Request]) -> int:
-        if not self.auto_gamma:
-            return self.gamma
-        gamma = self.gamma_controller.choose([r.acceptance for r in active])
-        # Chosen from timings, which differ between ranks: every rank takes rank 0's choice.
-        return gamma if self.target.tp is None else self.target.tp.broadcast_int(gamma)
 
     @torch.inference_mode()
     def abort(self, request_id: str) -> bool:
@@ -349,17 +287,17 @@ class Engine:
     @property
     def num_running(self) -> int:
         """Requests holding a row of the running batch: decoding, or being prefilled."""
-        return self.scheduler.batch.rows_held
+        return self.runner.batch.rows_held
 
     @property
     def num_prefilling(self) -> int:
         """Requests holding a row whose prompt is still being prefilled (a chunk a step)."""
-        return len(self.scheduler.batch.prefilling)
+        return len(self.runner.batch.prefilling)
 
     @property
     def cache_rows_in_use(self) -> int:
         """Rows of the target's KV cache that hold a request (decoding or being prefilled)."""
-        cache = self.scheduler.batch.cache
+        cache = self.runner.batch.cache
         return cache.rows_held if cache is not None else 0
 
     # ---- offline: whole requests ----------------------------------------------------------
@@ -394,7 +332,7 @@ class Engine:
                                "from add_request(): drive those with step()")
         requests = self.intake.requests(prompts, params, None, self.scheduler.unfinished)
         self.phases.reset()
-        self._run_start, self._run_rounds = time.perf_counter(), self.round_runner.rounds_run
+        self._run_start, self._run_rounds = time.perf_counter(), self.runner.rounds.rounds_run
         self.scheduler.add(requests)
         return requests
 
@@ -403,7 +341,7 @@ class Engine:
             self.abort(r.request_id)  # only those an error or an early stop left unfinished
         self.scheduler.take_ended()
         wall = time.perf_counter() - self._run_start
-        self.last_run_rounds = self.round_runner.rounds_run - self._run_rounds
+        self.last_run_rounds = self.runner.rounds.rounds_run - self._run_rounds
         self.last_run_stats = DecodeStats.combine([r.stats for r in requests], wall)
         if self.phases.timed:
             self.last_run_phases = dict(self.phases.seconds, host=wall - sum(self.phases.seconds.values()), total=wall)

@@ -1,7 +1,7 @@
 """How much prompt a step may prefill (EngineConfig.prefill_chunk_tokens).
 
 A joining request's prompt is prefilled a chunk a step, in the same step as a round of the rows
-already decoding (engine.batch), so that those rows are held up by one chunk, not by the whole
+already decoding (engine.scheduler plans the chunks), so that those rows are held up by one chunk, not by the whole
 prompt. The budget is the tokens of all of a step's chunks:
 
   an int   that many tokens a step, a multiple of CHUNK (chunks end on its multiples);

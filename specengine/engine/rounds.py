@@ -10,14 +10,16 @@ A round, for every row of the batch:
 
 The rounds between two reads from the device share one log, an int64 tensor [rows, columns] laid
 out by RoundLog: it goes to the device in one copy and comes back in one read, which gives each
-row a RoundResult. How many rounds per read (EngineConfig.rounds_per_read):
+row a RoundResult. How many rounds per read: the step's plan says how many at most
+(engine.scheduler, from EngineConfig.rounds_per_read and the rows' room), and the round runner
+runs one where its drafter cannot draft from device state now:
   - one, a host round: drafted from the host's sequences (any drafter), the target's forward run
     eagerly on a growing cache or as a fixed-shape step (steps.graphs), read at once;
   - a block of several, on the fixed-shape steps: each round also writes the next round's inputs
     (each row's last two tokens and length) into the log, so that a whole round is device ops,
-    one graph per (batch bucket, gamma) replayed back to back on a GPU. The host chooses the block
-    so that every round in it drafts exactly what a host round would (full budgets for every row),
-    so the tokens are the same; rows that stop inside a block (EOS, a stop string) are trimmed when
+    one graph per (batch bucket, gamma) replayed back to back on a GPU. The scheduler chooses the
+    block so that every round in it drafts exactly what a host round would (full budgets for every
+    row), so the tokens are the same; rows that stop inside a block (EOS, a stop string) are trimmed when
     it is read (the rounds computed past their end count in their statistics).
 
 A row whose logits broke (NaN, +inf) keeps nothing of the rounds read: rows are independent, so
@@ -153,6 +155,11 @@ class RoundLog:
         return results
 
 
+def rooms(requests: list[Request], max_seq_len: int) -> list[int]:
+    """Tokens each request may still emit: within its max_new_tokens and the context."""
+    return [min(r.params.max_new_tokens - len(r.generated), max_seq_len - len(r.tokens)) for r in requests]
+
+
 def rounds_that_fit(rooms: list[int], gamma: int) -> int:
     """How many rounds every row can run with a full budget of gamma drafts, for rows with `rooms`
     tokens left (the fewer of max_new_tokens - generated and capacity - length): a round emits at
@@ -164,8 +171,9 @@ _UNMARKED = Phases()  # the parts of a round inside a block: the block marks eac
 
 
 class RoundRunner:
-    """Runs the running batch's rounds, up to rounds_per_read of them before each read (see the
-    module's docstring)."""
+    """Runs the running batch's rounds, up to the plan's rounds per read before each read (see the
+    module's docstring); the model runner's (engine.runner). rounds_per_read: the setting, the
+    most a block's log holds."""
 
     def __init__(self, target, drafter: Drafter | None, target_steps: FixedShapeSteps | None, verify_impl: str,
                  phases: Phases, max_seq_len: int, rounds_per_read: int = 1):
@@ -177,12 +185,12 @@ class RoundRunner:
         self.rounds_run = 0  # rounds of the running batch so far
         self._empty_proposals: dict[tuple[int, str], Proposal] = {}  # see _no_drafts
 
-    def run(self, batch: RunningBatch, gamma: int) -> tuple[list[RoundResult], int]:
+    def run(self, batch: RunningBatch, gamma: int, rounds_per_read: int) -> tuple[list[RoundResult], int]:
         """The next rounds of every row of the batch, drafting up to gamma tokens per row and round,
-        up to the next read: each row's result, and the drafts a round made per row at most (fewer
-        than gamma near the rows' limits)."""
+        up to the next read (up to rounds_per_read rounds, the plan's: engine.scheduler): each row's
+        result, and the drafts a round made per row at most (fewer than gamma near the rows' limits)."""
         sequences = [r.tokens for r in batch.requests]
-        rounds = self._rounds_before_read(batch.requests, sequences, gamma)
+        rounds = self._rounds_before_read(sequences, gamma, rounds_per_read)
         # A round writes each row's last token and up to gamma drafts.
         batch.make_room(max(len(s) for s in sequences) + rounds * (gamma + 1))
         if rounds == 1:
@@ -192,21 +200,14 @@ class RoundRunner:
         self.rounds_run += rounds
         return results, gamma
 
-    def _rounds_before_read(self, active: list[Request], sequences: list[list[int]], gamma: int) -> int:
-        if self.rounds_per_read == 1 or min(len(s) for s in sequences) < 2:
-            return 1
-        if any(r.logprobs is not None for r in active):
-            return 1  # log-probabilities come from each round's verification logits, which a block overwrites
-        if self.drafter is not None and self.drafter.feature_layers:
+    def _rounds_before_read(self, sequences: list[list[int]], gamma: int, most: int) -> int:
+        """The plan's rounds per read, or one (a host round) where the drafter cannot draft from
+        device state now: what the scheduler cannot see."""
+        if most > 1 and self.drafter is not None and self.drafter.feature_layers:
             return 1  # a feature drafter takes each verification's features, which a host round hands over
-        if gamma > 0 and not self.drafter.runs_in_device_rounds(sequences):
+        if most > 1 and gamma > 0 and not self.drafter.runs_in_device_rounds(sequences):
             return 1  # a host round first: its catch-up feeds the draft model what rounds at gamma 0 skipped
-        return max(1, min(self.rounds_per_read, rounds_that_fit(self.rooms(active, sequences), gamma)))
-
-    def rooms(self, active: list[Request], sequences: list[list[int]]) -> list[int]:
-        """Tokens each row may still emit: within its max_new_tokens and the context."""
-        return [min(r.params.max_new_tokens - len(r.generated), self.max_seq_len - len(s))
-                for r, s in zip(active, sequences)]
+        return most
 
     def _round(self, layout: RoundLog, log: torch.Tensor, proposal: Proposal, sampling: SamplingBatch,
                forward: Callable[[torch.Tensor], torch.Tensor], target_lengths: torch.Tensor,
@@ -235,7 +236,7 @@ class RoundRunner:
     def _host_round(self, batch: RunningBatch, sequences: list[list[int]],
                     gamma: int) -> tuple[list[RoundResult], int]:
         active, cache = batch.requests, batch.cache
-        budgets = [min(gamma, room - 1) for room in self.rooms(active, sequences)]
+        budgets = [min(gamma, room - 1) for room in rooms(active, self.max_seq_len)]
         with self.phases("draft"):
             proposal = self._propose(sequences, budgets, batch)
         G = proposal.tokens.shape[1]

@@ -25,7 +25,7 @@ sit at the spill slot, past every key of their rows (a fixed cache is allocated 
 a cost measurement pretends rows hold entries (pretend_filled zeroes them).
 
 Staged rows follow the rows in use: rows of requests whose prompts are still being prefilled
-(a chunk a step, engine.batch), which the rounds do not see (lengths, batch_size: the rows in
+(a chunk a step, engine.runner), which the rounds do not see (lengths, batch_size: the rows in
 use only). stage_rows appends them, staged_view is what a prefill writes, promote makes some of
 them rows in use and drop_staged forgets some (an aborted prefill). A round over a padded bucket
 of fixed-shape steps may take staged rows for its padding rows: their writes go to the spill
@@ -48,7 +48,7 @@ def unwritten(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device |
 class StaticKVCache:
     staged = 0  # see rows_held
     # Whether each row's entries that matter end at its length, as rollback by length has it (its
-    # owner says so: engine.batch, for the target's cache and the draft model's staged cache). Then a
+    # owner says so: engine.runner, for the target's cache and the draft model's staged cache). Then a
     # growing cache copies a row up to its length, and so does a move; otherwise whole rows, since
     # an owner may keep entries past a row's length (the cross-vocabulary drafter keeps its drafts
     # there, setting the lengths itself each round). A fixed cache moves whole rows either way: a
