@@ -355,6 +355,10 @@ def test_whole_block_op_checks_its_arguments_and_equals_the_model_block(t5):
     model = load_model(t5("t5v1.1-gated-gelu-untied", dtype=torch.bfloat16))
     c = model.config
     cache = model.new_cache(2, 16)
+    # Row 1's queries (positions 4-6) see positions 0-3, which no forward wrote: a new cache's
+    # memory is not zeroed, so they get values here (both paths then read the same entries).
+    for entries in cache.layer(0):
+        entries.copy_(torch.randn_like(entries))
     model.encode(cache, [[5, 6, 7, 2], [8, 2]])
     weights = model.whole_layer_weights()[0]
     x = torch.randn(2, 3, c.d_model)
