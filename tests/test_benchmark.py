@@ -33,21 +33,33 @@ def chat_pair(text_pair, tmp_path_factory):
     return folder, draft
 
 
+def bench_rows(out_dir) -> dict[str, dict]:
+    """The rows of the one CSV a bench run wrote into out_dir, by configuration."""
+    (path,) = out_dir.glob("e2e-*.csv")
+    return {row["config"]: row for row in csv.DictReader(path.open())}
+
+
+def expected_configs(drafted: str, gammas: tuple[str, ...]) -> set[str]:
+    """The configurations a bench run at T 0 and 1, batches 1 and 2 measures: the baselines, and
+    `drafted` (a format with {g}) at each of gammas."""
+    expected = set()
+    for T in ("0", "1"):
+        for B in (1, 2):
+            expected |= {f"hf T={T} B={B}", f"eager T={T} B={B}", f"spec target-only T={T} B={B}",
+                         f"spec ngram gamma=4 T={T} B={B}"}
+            expected |= {drafted.format(g=g) + f" T={T} B={B}" for g in gammas}
+    return expected
+
+
 def test_bench_runs_every_configuration_and_checks_greedy_against_hf(text_pair, tmp_path, capsys):
     target, draft = text_pair
     code = cli_main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", "2", "--new-tokens", "5",
                      "--repeats", "1", "--gammas", "1", "3", "--batches", "1", "2", "--temperatures", "0", "1",
                      "--out-dir", str(tmp_path), "--no-plot"])
     assert code == 0
-    (path,) = tmp_path.glob("e2e-*.csv")
-    rows = {row["config"]: row for row in csv.DictReader(path.open())}
-    expected = set()
-    for T in ("0", "1"):
-        for B in (1, 2):
-            expected |= {f"hf T={T} B={B}", f"eager T={T} B={B}", f"spec target-only T={T} B={B}",
-                         f"spec ngram gamma=4 T={T} B={B}"}
-            expected |= {f"spec draft gamma={g} T={T} B={B}" for g in ("1", "3", "auto")}
-        expected.add(f"hf-assisted T={T} B=1")
+    rows = bench_rows(tmp_path)
+    expected = expected_configs("spec draft gamma={g}", ("1", "3", "auto")) | {
+        f"hf-assisted T={T} B=1" for T in ("0", "1")}
     assert set(rows) == expected
     assert all(float(row["tokens_per_s"]) > 0 for row in rows.values())
     # What measured it, on every row
@@ -91,8 +103,7 @@ def test_bench_quick_path_on_prompts_of_different_lengths(chat_pair, tmp_path):
                      "--repeats", "1", "--gammas", "2", "--batches", "1", "3", "--temperatures", "0", "1",
                      "--out-dir", str(tmp_path), "--no-plot"])
     assert code == 0
-    (path,) = tmp_path.glob("e2e-*.csv")
-    rows = {row["config"]: row for row in csv.DictReader(path.open())}
+    rows = bench_rows(tmp_path)
     for T in ("0", "1"):
         for B in (1, 3):
             for name in ("hf", "eager", "spec target-only", "spec draft gamma=2", "spec draft gamma=auto",
@@ -162,8 +173,7 @@ def test_bench_runs_on_a_gguf_target(tmp_path):
                      "--repeats", "1", "--gammas", "2", "--batches", "1", "--temperatures", "0",
                      "--out-dir", str(tmp_path), "--no-plot"])
     assert code == 0
-    (path,) = tmp_path.glob("e2e-*.csv")
-    rows = {row["config"]: row for row in csv.DictReader(path.open())}
+    rows = bench_rows(tmp_path)
     assert {"hf T=0 B=1", "spec target-only T=0 B=1", "spec draft gamma=2 T=0 B=1"} <= set(rows)
     for name, row in rows.items():
         assert float(row["tokens_per_s"]) > 0, name
@@ -190,15 +200,8 @@ def test_bench_with_an_eagle3_head(text_pair, tmp_path, capsys):
             "--repeats", "1", "--gammas", "2", "--batches", "1", "2", "--temperatures", "0", "1", "--no-plot"]
     for chosen, out in ((["--drafter", "eagle3"], tmp_path / "named"), ([], tmp_path / "by-config")):
         assert cli_main([*args, *chosen, "--out-dir", str(out)]) == 0
-        (path,) = out.glob("e2e-*.csv")
-        rows = {row["config"]: row for row in csv.DictReader(path.open())}
-        expected = set()
-        for T in ("0", "1"):
-            for B in (1, 2):
-                expected |= {f"hf T={T} B={B}", f"eager T={T} B={B}", f"spec target-only T={T} B={B}",
-                             f"spec ngram gamma=4 T={T} B={B}", f"spec eagle3 gamma=2 T={T} B={B}",
-                             f"spec eagle3 gamma=auto T={T} B={B}"}
-        assert set(rows) == expected
+        rows = bench_rows(out)
+        assert set(rows) == expected_configs("spec eagle3 gamma={g}", ("2", "auto"))
         for name, row in rows.items():
             assert float(row["tokens_per_s"]) > 0, name
             if row["kind"] == "spec" and row["temperature"] == "0.0":
