@@ -86,7 +86,6 @@ def test_ops_and_triton_read_the_table():
         assert getattr(kernels, t.name).value == t.type_id
         assert kernels.LAYOUT[t.type_id] == (t.block_size, t.block_bytes)
         # What a kernel reads while it compiles (host calls of its constexpr functions).
-        assert kernels._block_bytes(t.type_id) == t.block_bytes
-        assert [f(t.type_id) for f in (kernels._d_at, kernels._m_at, kernels._scales_at, kernels._qh_at,
-                                       kernels._qs_at)] == [t.d, t.m, t.scales, t.qh, t.qs]
+        fields = ("block_bytes", "d", "m", "scales", "qh", "qs")
+        assert [kernels._layout(t.type_id, f) for f in fields] == [getattr(t, f) for f in fields]
     assert set(kernels.FLOAT_TYPES) == {t.type_id for t in WEIGHT_TYPES if t.is_float}
