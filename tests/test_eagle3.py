@@ -709,3 +709,15 @@ def test_cli_generates_with_a_head(text_pair, tmp_path, capsys):
         assert main([*args, "--draft", str(folder), *chosen]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["token_ids"] == want and out["stats"]["draft_calls"] > 0
+
+
+def test_a_target_shared_with_another_engine_still_feeds_the_head(planted, baseline):
+    """An engine made later on the same target (a target-only baseline) captures no features; the
+    feature drafter's engine still gets them at its next step, and drafts as if alone."""
+    alone = eagle_engine(*planted, gamma=3)
+    alone.generate(PROMPTS, GREEDY)
+    shared = eagle_engine(*planted, gamma=3)
+    assert [r.token_ids for r in Engine(planted[0]).generate(PROMPTS, GREEDY)] == baseline
+    assert [r.token_ids for r in shared.generate(PROMPTS, GREEDY)] == baseline
+    assert shared.last_run_stats.accepted_by_position == alone.last_run_stats.accepted_by_position
+    assert shared.last_run_stats.accepted > 0

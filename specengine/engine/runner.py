@@ -58,9 +58,9 @@ class ModelRunner:
             raise ValueError("cuda_graphs runs decoder-only targets; an encoder-decoder target decodes eagerly "
                              "(drop cuda_graphs)")
         self.target, self.drafter, self.phases = target, drafter, phases
-        if not encoder_decoder:
-            # A feature drafter reads states of the target's layers, captured in its every forward.
-            target.capture_features(drafter.feature_layers if drafter is not None else ())
+        # A feature drafter reads states of the target's layers, captured in its every forward.
+        self.feature_layers = None if encoder_decoder else drafter.feature_layers if drafter is not None else ()
+        self._capture_features()
         self.target_steps: FixedShapeSteps | None = None
         if cuda_graphs:
             self.target_steps = FixedShapeSteps(target, max_batch_size, max_seq_len)
@@ -96,9 +96,17 @@ class ModelRunner:
             pairs.append((self.drafter.model, batch.draft_cache))
         return pairs
 
+    def _capture_features(self):
+        """Have the target capture what this engine's drafter reads. Set again each step: another
+        engine on the same target (a baseline beside a feature drafter's) sets its own; each step
+        hands over its forwards' features before it ends."""
+        if self.feature_layers is not None and self.target.feature_layers != self.feature_layers:
+            self.target.capture_features(self.feature_layers)
+
     def run(self, plan: StepPlan) -> StepOutcome:
         """Carry out the plan: its prefill, then its rounds. Should a part fail, `part` says which
         ("prefill" or "rounds") when it raises."""
+        self._capture_features()
         prefill = self.prefill(plan)
         if not plan.decoding:
             return StepOutcome(prefill, [], 0)
