@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*)
 demo: $(STAMP)
 	$(PY) -m specengine.demo
 
+# One worker per core, a test file to a worker (its module fixtures, such as a served engine, built once).
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info specengine/*.so

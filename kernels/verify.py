@@ -670,11 +670,11 @@ def verify_triton(target_logits, draft_logits, draft_tokens, num_drafts, tempera
     R = B * G1 + (B * G if draft_logits is not None else 0)
     # One tile size for every vocabulary (loops stop at V): a kernel compiles once per dtype and
     # flags, not per vocabulary size.
-    tile, block = TILE, 1024
-    T = triton.cdiv(V, tile)
-    # The one-hot histogram's chunk: small on a GPU (registers); larger in the interpreter, whose
-    # cost is per operation rather than per element.
-    chunk = 32 if device.type == "cuda" else 512
+    T = triton.cdiv(V, TILE)
+    # A tile's loops step by `block` entries and the one-hot histogram by `chunk`: small on a GPU
+    # (registers); in the interpreter, whose cost is per operation rather than per element, a whole
+    # tile a step.
+    tile, block, chunk = (TILE, 1024, 32) if device.type == "cuda" else (TILE, TILE, 512)
     levels = _levels(target_logits.dtype)
 
     f32 = dict(dtype=torch.float32, device=device)

@@ -10,6 +10,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# `make test` runs the suite in one pytest worker per core (pytest-xdist): the cores are shared
+# out, so that workers' OpenMP threads do not outnumber them (a parallel region whose thread is
+# descheduled waits for it). Tests of thread counts set their own.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from specengine.devtools.tiny import make_config, save_random_checkpoint, train_tokenizer  # noqa: E402
 
 # Architectures and the features each exercises; saved with transformers' own save_pretrained.

@@ -153,8 +153,11 @@ def test_the_openai_client_is_served_with_the_key_and_refused_with_another(guard
         assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
     right = client_of(base_url, api_key=KEY)
     assert [m.id for m in right.models.list().data] == [MODEL]
-    assert right.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
-    stream = right.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, stream=True)
+    # ignore_eos: these sample, and a drawn end-of-sequence would end them before their lengths.
+    assert right.completions.create(model=MODEL, prompt="x = ", max_tokens=2,
+                                    extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+    stream = right.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, stream=True,
+                                           extra_body={"ignore_eos": True})
     assert [chunk.choices[0].finish_reason for chunk in stream][-1] == "length"
 
 
@@ -396,7 +399,8 @@ def test_past_max_waiting_a_request_gets_503_with_retry_after_and_those_queued_a
     assert after["queue_full"] - before["queue_full"] == 3
     assert after["too_many_prompts"] - before["too_many_prompts"] == 1
     # Room again: served.
-    assert client.completions.create(model=MODEL, prompt="x = ", max_tokens=2).usage.completion_tokens == 2
+    assert client.completions.create(model=MODEL, prompt="x = ", max_tokens=2,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 2
 
 
 # ---- specengine serve -------------------------------------------------------------------------
