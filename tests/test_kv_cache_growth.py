@@ -198,10 +198,10 @@ def test_moving_rows_copies_them_up_to_their_lengths(monkeypatch):
     assert torch.isnan(cache.k[:, 1, 5:]).all()  # what row 1 had there (nothing), not row 3's stale entries
 
 
-def test_rows_of_equal_lengths_move_together_each_read_before_any_is_written(monkeypatch):
-    """Rows leaving from the middle: the moved rows of each length go in one gather, and row 3, a
-    source of the length-3 rows, is a destination of the length-4 ones: every row moved holds
-    its own entries exactly, up to its length and no further."""
+def test_rows_kept_in_order_move_each_read_before_it_is_written(monkeypatch):
+    """Rows leaving from the middle: the rows kept move down in order (one slice copy a row, each
+    read before a later one writes it: row 3 is a source and then a destination): every row moved
+    holds its own entries exactly, up to its length and no further."""
     monkeypatch.setattr(kv_cache, "unwritten", nan_memory)
     lengths = [4, 3, 4, 3, 2, 4, 3]
     cache = numbered_cache(7, 8, filled=lengths, lengths=lengths)

@@ -145,9 +145,18 @@ class StaticKVCache:
     def _copy_rows(self, k: torch.Tensor, v: torch.Tensor, to: list[int], rows: list[int], positions: list[int]):
         """Row to[i] of this cache takes the first positions[i] entries of row rows[i] of k, v
         [layers, rows, positions, Hkv, D] (which may be this cache's own: every row is read before
-        any is written). One gather a class of rows with equal counts; on a CPU each row copies
-        only its own count, on an accelerator every row the largest (one gather in all: launches
-        cost more there than the stale entries past a row's length)."""
+        any is written). On a CPU each row copies only its own count, one slice copy a row when no
+        row is read after it was written (rows kept in order, the cache grown): a slice is a
+        contiguous block a layer, several times faster than an indexed gather and its scatter, and
+        a row leaving while a long prompt is staged behind it moves that prompt. Otherwise one
+        gather a class of rows with equal counts; on an accelerator every row the largest (one
+        gather in all: launches cost more there than the stale entries past a row's length)."""
+        if k.device.type == "cpu" and self._in_sequence(k, to, rows):
+            for i, r, count in zip(to, rows, positions):
+                if count > 0:
+                    self.k[:, i, :count].copy_(k[:, r, :count])
+                    self.v[:, i, :count].copy_(v[:, r, :count])
+            return
         if k.device.type != "cpu" and positions:
             positions = [max(positions)] * len(positions)
         classes: dict[int, tuple[list[int], list[int]]] = {}
@@ -163,6 +172,18 @@ class StaticKVCache:
         for dest_index, count, k_rows, v_rows in reads:
             self.k[:, dest_index, :count] = k_rows
             self.v[:, dest_index, :count] = v_rows
+
+    def _in_sequence(self, k: torch.Tensor, to: list[int], rows: list[int]) -> bool:
+        """Whether copying row rows[i] to row to[i] one after another, in order, reads no row
+        already written: always from another tensor, else when no source was an earlier destination."""
+        if k.data_ptr() != self.k.data_ptr():
+            return True
+        written: set[int] = set()
+        for i, r in zip(to, rows):
+            if r in written:
+                return False
+            written.add(i)
+        return True
 
     def add_rows(self, count: int) -> "StaticKVCache":
         """Append `count` empty rows (reserve room first) and return a cache of just those rows, a
