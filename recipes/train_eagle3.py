@@ -62,13 +62,8 @@ llama_eagle3.py, SpecForge's trainer and the EAGLE repository's; written here in
 - Training-time test (EAGLE-3, SpecForge): unroll k steps over every start position at once,
   each step's hidden input being the previous step's output; loss per step = soft cross-entropy
   -sum p log q with p = softmax of the target's logits restricted to the draft vocabulary, q the
-  head's, on positions whose target argmax lies in the draft vocabulary; step j weighted 0.8^j.
-  The loss reads every position of prompt and answer (SpecForge masks prompts): the target's
-  distribution there is its own prediction whatever wrote the text, and at this data size the
-  prompts add about 60% more positions at no cost (the unrolled forward runs over them anyway).
-  Agreement and held-out acceptance count answer positions only. The head's lm_head starts as
-  the target's rows of the draft vocabulary and its norm as the target's final norm (as
-  vLLM's speculators does); the rest N(0, 0.02); no feature-regression loss (EAGLE-3 dropped EAGLE-1's).
+  head's, on positions whose target argmax lies in the draft vocabulary (and that are in the
+  loss mask); step j weighted 0.8^j; no feature-regression loss (EAGLE-3 dropped EAGLE-1's).
   SpecForge and the EAGLE repository also mask, at step j, the verified keys of positions
   t - j + 1 .. t from chain t's query (disputed in EAGLE issue #247); inference attends to all of
   them, so this recipe's attention is the inference one (Eagle3Head.ttt: step-0 keys of positions
@@ -358,8 +353,7 @@ def dense_rows(module, rows: int) -> torch.Tensor:
 
 def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: list[int]) -> dict:
     """For every teach shard, features/<shard>.{aux,final,argmax}.npy; the target's embedding once
-    (embed.npy) and final norm (final_norm.npy), and its output matrix (lm_head.npy) when it is not
-    the embedding. Each sequence is
+    (embed.npy), and its output matrix (lm_head.npy) when it is not the embedding. Each sequence is
     one forward of its own: its products are GEMMs at any batch, so padding would only add work
     (a fifth more on the trial's shards grouped into 2048-token batches)."""
     folder = work / "features"
@@ -367,7 +361,7 @@ def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: lis
     state_path = work / "features.json"
     state = read_json(state_path, dict(elapsed=0.0, tokens=0, done=[]))
     todo = [p for p in shards if p.stem not in state["done"]]
-    if not todo and (work / "embed.npy").is_file() and (work / "final_norm.npy").is_file():
+    if not todo and (work / "embed.npy").is_file():
         return state
     t_load = time.time()
     model = load_target(target, aux_layers)
@@ -375,7 +369,6 @@ def stage_features(work: Path, target: Path, shards: list[Path], aux_layers: lis
     V = model.config.vocab_size
     embed = dense_rows(model.model.embed_tokens, V)
     np.save(work / "embed.npy", embed.numpy())
-    np.save(work / "final_norm.npy", model.model.norm.weight.detach().float().numpy())
     if not model.config.tie_word_embeddings:  # a tied target's (SmolLM2's) output matrix is its embedding
         np.save(work / "lm_head.npy", dense_rows(model.lm_head, V).numpy())
     for path in todo:
@@ -426,13 +419,8 @@ class Features:
 
 # ---- 5. train --------------------------------------------------------------------------------
 
-def make_head(target_cfg, aux_layers: list[int], draft_ids: list[int], embed: torch.Tensor,
-              lm_head: torch.Tensor | None = None, final_norm: torch.Tensor | None = None) -> Eagle3Head:
-    """A fresh head for the target (its ModelConfig): the runtime's config at the target's width.
-    lm_head [vocab, H] and final_norm [H], the target's output matrix and final norm: the head's
-    `lm_head` starts as the target's rows of the draft vocabulary and its `norm` as the target's,
-    so that its output starts in the target's output space (the head then learns to predict one
-    token further rather than the vocabulary's geometry from scratch); the other matrices N(0, 0.02)."""
+def make_head(target_cfg, aux_layers: list[int], draft_ids: list[int], embed: torch.Tensor) -> Eagle3Head:
+    """A fresh head for the target (its ModelConfig): the runtime's config at the target's width."""
     from specengine.models.eagle3 import Eagle3Config
 
     cfg = Eagle3Config.for_target(target_cfg, tuple(aux_layers), len(draft_ids))
@@ -443,10 +431,6 @@ def make_head(target_cfg, aux_layers: list[int], draft_ids: list[int], embed: to
         for name, p in head.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.02)
-        if lm_head is not None:
-            head.lm_head.weight.copy_(lm_head[head.draft_ids])
-        if final_norm is not None:
-            head.norm.weight.copy_(final_norm)
     return head
 
 
@@ -477,17 +461,13 @@ def ttt_loss(head: Eagle3Head, batch, lm_head_draft: torch.Tensor, steps: int):
         # chain t's step j predicts token t + j + 2 from the target's distribution at t + j + 1
         target_argmax = shifted(argmax, j + 1)
         scored = shifted(valid & answer, j + 2, False)
-        # the loss reads the target's distribution at every position (the prompts' too: it is the
-        # target's prediction there, whatever the text); agreement counts answer positions only
-        learned = shifted(valid, j + 2, False)
-        rows, cols = (learned & head.t2d[target_argmax]).nonzero(as_tuple=True)
+        rows, cols = (scored & head.t2d[target_argmax]).nonzero(as_tuple=True)
         logq = F.log_softmax(head.logits(hidden[rows, cols]).float(), -1)  # [N, Vd]
         loss = -(p[rows, cols + j + 1] * logq).sum(-1).mean() if len(rows) else hidden.sum() * 0
         total = total + STEP_WEIGHT ** j * loss
         with torch.no_grad():
             # agreement over every scored position (a target argmax outside the vocabulary is a miss)
-            on_answer = scored[rows, cols]
-            hits = ((draft_ids[logq.argmax(-1)] == target_argmax[rows, cols]) & on_answer).sum().item()
+            hits = (draft_ids[logq.argmax(-1)] == target_argmax[rows, cols]).sum().item() if len(rows) else 0
             per_step.append((loss.item(), hits, scored.sum().item()))
     return total, per_step
 
@@ -716,8 +696,7 @@ def main(argv=None):
     embed = torch.from_numpy(np.load(args.work / "embed.npy"))
     untied = args.work / "lm_head.npy"
     lm_head = torch.from_numpy(np.load(untied)) if untied.is_file() else embed
-    head = make_head(tcfg, aux_layers, vocab["ids"], embed, lm_head,
-                     torch.from_numpy(np.load(args.work / "final_norm.npy")))
+    head = make_head(tcfg, aux_layers, vocab["ids"], embed)
     state = timed("train", stage_train, args.work, head, train_seqs, held_seqs, lm_head, args)
     features = Features(args.work / "features")
     metrics = timed("evaluate", evaluate, bf16_rounded(head), held_seqs, features, lm_head, args.ttt_steps, args.seq_cap)

