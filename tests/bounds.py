@@ -547,6 +547,19 @@ class Float64Llama:
         return cls(_f64(model.model.embed_tokens.weight), layers, _f64(model.model.norm.weight),
                    _f64(model.lm_head.weight), c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, tables)
 
+    @classmethod
+    def from_layer_weights(cls, w, heads: int, kv_heads: int, head_dim: int, eps: float,
+                           window: int | None = None) -> "Float64Llama":
+        """One layer (index 0, for `layer`) from ops.decoder_layer's DecoderLayerWeights with every
+        matrix a dense tensor (a BlockMatrix dequantized first): no embedding, norm or head."""
+        sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        gate, up = _f64(w.gate_up).chunk(2)
+        gate_bias, up_bias = _split(_f64(w.gate_up_bias), (w.gate_up.shape[0] // 2,) * 2)
+        layer = _Layer(_f64(w.input_norm), *_f64(w.qkv).split(sizes), _f64(w.o), _f64(w.post_norm), gate, up,
+                       _f64(w.down), *_split(_f64(w.qkv_bias), sizes), _f64(w.o_bias), gate_bias, up_bias,
+                       _f64(w.down_bias), _f64(w.q_norm), _f64(w.k_norm), window)
+        return cls(None, [layer], None, None, heads, kv_heads, head_dim, eps, None)
+
     def _layer(self, i, x, positions, cos, sin, table_error, keys, values, kv_len, terms, r):
         """Layer i on x [T, hidden] at positions [T]: k and v written into keys and values
         [>= kv_len, Hkv, D] (float64 copies of a cache row; positions past them not written),
