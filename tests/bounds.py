@@ -774,42 +774,47 @@ class Float64T5:
                               self.config.relative_attention_max_distance)
         return table[buckets].permute(2, 0, 1)
 
-    def _attend(self, a: _T5Attention, x, memory, visible, bias, r):
+    def _attend(self, a: _T5Attention, x, memory, visible, bias, terms, r):
         """x + o(attention(q(norm x), k and v of memory (norm x itself when None)))."""
         h = _rms_norm(x, a.norm, self.eps, r)
         source = h if memory is None else memory
-        q = _linear(h, a.q, None, 1, r).view(len(h), self.heads, self.d_kv)
-        k, v = (_linear(source, w, None, 1, r).view(len(source), self.heads, self.d_kv) for w in (a.k, a.v))
-        return _add(x, _linear(_attention(q, k, v, visible, 1.0, r, bias), a.o, None, 1, r), r)
+        q = _linear(h, a.q, None, terms, r).view(len(h), self.heads, self.d_kv)
+        k, v = (_linear(source, w, None, terms, r).view(len(source), self.heads, self.d_kv) for w in (a.k, a.v))
+        return _add(x, _linear(_attention(q, k, v, visible, 1.0, r, bias), a.o, None, terms, r), r)
 
-    def _feed_forward(self, b: _T5Block, x, r):
+    def _feed_forward(self, b: _T5Block, x, terms, r):
         h = _rms_norm(x, b.ff_norm, self.eps, r)
         if self.gated:
-            h = _mul(self.activation(_linear(h, b.wi[0], None, 1, r), r), _linear(h, b.wi[1], None, 1, r), r)
+            h = _mul(self.activation(_linear(h, b.wi[0], None, terms, r), r), _linear(h, b.wi[1], None, terms, r), r)
         else:
-            h = self.activation(_linear(h, b.wi[0], None, 1, r), r)
-        return _add(x, _linear(h, b.wo, None, 1, r), r)
+            h = self.activation(_linear(h, b.wi[0], None, terms, r), r)
+        return _add(x, _linear(h, b.wo, None, terms, r), r)
 
-    def _forward(self, source: list[int], decoder: list[int], r: _Roundings) -> torch.Tensor:
-        S, T = len(source), len(decoder)
+    def _encode(self, source: list[int], terms: int, r: _Roundings) -> torch.Tensor:
+        """The encoder's output [S, d_model] (after its final norm)."""
+        S = len(source)
         x = self.embed[torch.tensor(source)]
         everything = torch.ones(S, S, dtype=torch.bool)
         bias = self._position_bias(self.encoder_bias_table, S, S, True)
         for b in self.encoder_blocks:
-            x = self._feed_forward(b, self._attend(b.self_attn, x, None, everything, bias, r), r)
-        memory = _rms_norm(x, self.encoder_norm, self.eps, r)
+            x = self._feed_forward(b, self._attend(b.self_attn, x, None, everything, bias, terms, r), terms, r)
+        return _rms_norm(x, self.encoder_norm, self.eps, r)
+
+    def _forward(self, source: list[int], decoder: list[int], terms: int, r: _Roundings) -> torch.Tensor:
+        S, T = len(source), len(decoder)
+        memory = self._encode(source, terms, r)
         y = self.embed[torch.tensor(decoder)]
         causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
         bias = self._position_bias(self.decoder_bias_table, T, T, False)
         sees_source = torch.ones(T, S, dtype=torch.bool)
         for b in self.decoder_blocks:
-            y = self._attend(b.self_attn, y, None, causal, bias, r)
-            y = self._feed_forward(b, self._attend(b.cross_attn, y, memory, sees_source, None, r), r)
+            y = self._attend(b.self_attn, y, None, causal, bias, terms, r)
+            y = self._feed_forward(b, self._attend(b.cross_attn, y, memory, sees_source, None, terms, r), terms, r)
         y = _rms_norm(y, self.decoder_norm, self.eps, r)
         if self.scale_output is not None:
             y = y * self.scale_output
             y = r(y, U * y.abs())
-        return _linear(y, self.lm_head, None, 1, r)
+        return _linear(y, self.lm_head, None, terms, r)
 
     def _transformers_float64(self, source: list[int], decoder: list[int]) -> torch.Tensor:
         hf64 = copy.deepcopy(self.hf).to(torch.float64)
@@ -820,12 +825,19 @@ class Float64T5:
         with torch.no_grad(), _one_thread():
             return hf64(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([decoder])).logits[0]
 
-    def logits(self, source: list[int], decoder: list[int]) -> Logits:
+    def encoded(self, source: list[int], terms: int = 1) -> Logits:
+        """The encoder's exact output [len(source), d_model] and the bound on a float32 forward's
+        error in it (terms as in logits)."""
+        (exact,), (spread,) = _estimate(lambda r: (self._encode(list(source), terms, r),))
+        return Logits(exact, spread)
+
+    def logits(self, source: list[int], decoder: list[int], terms: int = 1) -> Logits:
         """Exact logits [len(decoder), V] of the decoder tokens (the start token first) given the
-        encoder's source tokens, and the bound on a float32 forward's error in them. Cached."""
-        key = (tuple(source), tuple(decoder))
+        encoder's source tokens, and the bound on a float32 forward's error in them (terms=3:
+        products with x split in three bfloat16 terms, the AMX path). Cached."""
+        key = (tuple(source), tuple(decoder), terms)
         if key not in self._cache:
-            (exact,), (spread,) = _estimate(lambda r: (self._forward(list(source), list(decoder), r),))
+            (exact,), (spread,) = _estimate(lambda r: (self._forward(list(source), list(decoder), terms, r),))
             if self.hf is not None:
                 # transformers' float64 forward agrees to float64 rounding, far inside the bound
                 assert within(exact, self._transformers_float64(list(source), list(decoder)), 1e-3 * spread), \
