@@ -139,6 +139,8 @@ def product_difference_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
 def excess(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> tuple[float, str]:
     """(the largest |got - want| / bound, where) over all elements, in float64. NaN counts as
     past every bound; equal infinities (masked logits) as within."""
+    if got.numel() == 0:
+        return 0.0, "no elements"
     got64, want64 = got.detach().cpu().double(), want.detach().cpu().double().reshape(got.shape)
     bound = bound.detach().cpu().double().expand(got.shape)
     same = got64 == want64  # equal infinities too
@@ -174,6 +176,17 @@ def assert_within_product_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Ten
     """got (any leading shape, any device) within product_error_bound of the exact product."""
     x2 = x.reshape(-1, x.shape[-1])
     assert_within(got.reshape(x2.shape[0], -1), exact_product(x2, w, bias), product_error_bound(x2, w, bias, terms))
+
+
+def rms_norm_error_bound(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the exact g x / sqrt(mean(x^2) + eps) over the last dimension, float64 [..., n]; the
+    elementwise bound on a float32 computation's error in it): mean(x^2) + eps sums n + 1 terms of
+    one sign through at most n + 2 roundings (squares, sum, 1/n, eps), gamma(n + 2) relative to its
+    value whatever the order; the square root halves that and adds C_F u; 1/r, x * (1/r) and * g
+    add u each. Relative to |y|, first order (as _rms_norm's, worst case instead of a walk)."""
+    x64, w64 = x.detach().cpu().double(), weight.detach().cpu().double()
+    y = w64 * x64 / (x64.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return y, (0.5 * gamma(x.shape[-1] + 2) + (C_F + 3) * U) * y.abs() + UNDERFLOW
 
 
 # ---- attention -------------------------------------------------------------------------------
