@@ -306,6 +306,33 @@ def _attention_error_bound(q, k, v, cos, sin, positions, kv_len, window, scale, 
     return torch.stack(outs), torch.stack(errs)
 
 
+def relative_attention_error_bound(q, k, v, positions, cache_k, cache_v, kv_len, bias_table=None):
+    """(exact output [B, T, H * D], bound on a float32 computation's error) of ops.attention's
+    relative_attention (T5: k and v, when given, written at positions (clamped to the spill slot);
+    query at p attends to keys j <= p, j < kv_len, scores q . k_j + bias_table[p - j], unscaled)
+    on float32 inputs, exact in float64; the bias table's entries are exact inputs."""
+    B, T, H, D = q.shape
+    outs, errs = [], []
+    with _one_thread():
+        for b in range(B):
+            pos = positions[b]
+            keys, values = cache_k[b].double().clone(), cache_v[b].double().clone()
+            if k is not None:
+                slots = pos.clamp(max=keys.shape[0] - 1)
+                keys[slots], values[slots] = k[b].double(), v[b].double()
+            key_pos = torch.arange(kv_len)
+            visible = key_pos <= pos[:, None]  # [T, kv_len]
+            bias = None
+            if bias_table is not None:
+                distance = (pos[:, None] - key_pos).clamp(min=0)
+                bias = bias_table.double()[distance].permute(2, 0, 1)  # [H, T, kv_len]
+            out = tracked_attention(Tracked(q[b].double()), Tracked(keys[:kv_len]), Tracked(values[:kv_len]),
+                                    visible, 1.0, bias)
+            outs.append(out.v.reshape(T, H * D))
+            errs.append(out.e.reshape(T, H * D))
+    return torch.stack(outs), torch.stack(errs)
+
+
 # ---- whole Llama-family models: a float64 forward with simulated float32 roundings -----------------
 
 RUNS = 16     # perturbed float64 forwards a bound is estimated from
