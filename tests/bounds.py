@@ -893,6 +893,50 @@ class Float64T5:
         return self.logits(prompt, [self.start] + list(continuation[:-1]))[:len(continuation)]
 
 
+def t5_block_bounds(x, w, heads: int, head_dim: int, activation: str, gated: bool, eps: float, positions,
+                    cache_k, cache_v, kv_len: int, bias_table, source_last, cross_k, cross_v, terms: int = 1):
+    """ops.decoder_layer's t5_decoder_block on rows x [B, T, hidden] at positions [B, T], its weights
+    w (T5BlockWeights, bfloat16 or float32 matrices) exact inputs, as are the caches' entries, the
+    bias table and the encoder's keys and values: ((out, cache_k, cache_v), (their bounds)) as
+    Float64T5's (module docstring). Self-attention: k and v written at positions (clamped to the
+    spill slot), keys j <= p, j < kv_len, scores + bias_table[p - j]; cross-attention: encoder keys
+    0..source_last; all unscaled."""
+    act = {"relu": _relu, "gelu_new": _gelu_tanh}[activation]
+    HD = heads * head_dim
+    wq, wk, wv = _f64(w.qkv).split(HD)
+    wi = _f64(w.wi).chunk(2) if gated else (_f64(w.wi),)
+    norms = [_f64(t) for t in (w.self_norm, w.cross_norm, w.ff_norm)]
+    self_o, cross_q, cross_o, wo, table = (_f64(t) for t in (w.self_o, w.cross_q, w.cross_o, w.wo, bias_table))
+    B, T, _ = x.shape
+
+    def run(r):
+        outs, ks, vs = [], cache_k.double().clone(), cache_v.double().clone()
+        for b in range(B):
+            pos, y = positions[b], x[b].double()
+            h = _rms_norm(y, norms[0], eps, r)
+            q, k, v = (_linear(h, m, None, terms, r).view(T, heads, head_dim) for m in (wq, wk, wv))
+            slots = pos.clamp(max=ks.shape[1] - 1)
+            ks[b, slots], vs[b, slots] = k, v
+            key_pos = torch.arange(kv_len)
+            bias = table[(pos[:, None] - key_pos).clamp(min=0)].permute(2, 0, 1)  # [H, T, kv_len]
+            attended = _attention(q, ks[b, :kv_len], vs[b, :kv_len], key_pos <= pos[:, None], 1.0, r, bias)
+            y = _add(y, _linear(attended, self_o, None, terms, r), r)
+            h = _rms_norm(y, norms[1], eps, r)
+            cq = _linear(h, cross_q, None, terms, r).view(T, heads, head_dim)
+            S = int(source_last[b].max()) + 1  # encoder entries past every query's last are never read
+            seen = torch.arange(S) <= source_last[b][:, None]
+            attended = _attention(cq, _f64(cross_k[b, :S]), _f64(cross_v[b, :S]), seen, 1.0, r)
+            y = _add(y, _linear(attended, cross_o, None, terms, r), r)
+            h = _rms_norm(y, norms[2], eps, r)
+            if gated:
+                h = _mul(act(_linear(h, wi[0], None, terms, r), r), _linear(h, wi[1], None, terms, r), r)
+            else:
+                h = act(_linear(h, wi[0], None, terms, r), r)
+            outs.append(_add(y, _linear(h, wo, None, terms, r), r))
+        return torch.stack(outs), ks, vs
+    return _estimate(run)
+
+
 # ---- tokens across different arithmetic ------------------------------------------------------
 
 def certain_argmax(logits: Logits) -> torch.Tensor:
