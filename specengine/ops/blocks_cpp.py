@@ -21,11 +21,11 @@ import torch
 
 # id(matrix) -> (weakref to it, its descriptor, out_features), for BlockMatrix objects (frozen:
 # their parts' tensors are theirs for life). The weak reference both drops the entry when the
-# matrix dies and tells a matrix from a later object given the same id. Building a descriptor is
-# a noticeable share of a small product, a lookup is not (measured: see
-# bench/results/host-overheads-2026-11-29-to-12-03.md). Dense tensors are described afresh each
-# call (cheaper than a BlockMatrix's): a tensor's data can be re-pointed (param.data = ...), a
-# BlockMatrix's cannot.
+# matrix dies and tells a matrix from a later object given the same id. Building a descriptor
+# is a noticeable share of a small product's time, a lookup is not (measured: see
+# bench/results/host-overheads-2026-11-29-to-12-03.md). Dense tensors, cheaper to describe, are
+# described afresh each call: a tensor's data can be re-pointed
+# (param.data = ...), a BlockMatrix's cannot.
 _described: dict[int, tuple[weakref.ref, tuple[int, ...], int]] = {}
 _DENSE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # ggml type ids
 

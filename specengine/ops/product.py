@@ -32,10 +32,10 @@ from .blocks import BlockMatrix, dequantize_reference
 from .blocks_cpp import few_row_blocks_cpp, gemm_blocks_cpp
 from .linear import amx_available, gemm_bf16_weight_amx_cpp, linear_bf16_weight_cpp
 
-# From this many tokens per row (x [..., T, K] with T >= it: a prefill) the C++ products are GEMMs
-# (the AMX op on CPUs with AMX, float32-accurate; else gemm_blocks), which reuse each dequantized
-# panel of weights over many rows; below it the few-row ops, which stream the weights once for
-# all rows, are as fast or faster (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
+# From this many tokens per row (x [..., T, K] with T >= it: a prefill) the C++ products are GEMMs.
+# The AMX op on CPUs with AMX (float32-accurate), else gemm_blocks: they reuse each dequantized
+# panel of weights over many rows, while below it the few-row ops, which stream the weights once
+# for all rows, are as fast or faster (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 # Decided on tokens per row, not rows in all, so that a decoding row takes the same path in a
 # batch of any size (verifications have at most max_gamma + 1 tokens per row; a 2-d x is rows
 # of one token). The prefill's chunk (engine.prefill_budget.CHUNK), the prefix cache's block
