@@ -44,7 +44,7 @@ constexpr int64_t kPrefetchBytes = 16384;
 // AVX-512 path: rows of x up to which blocks are dequantized into registers, in one tile with
 // every row; from kDirectRows + 1 rows on, a group's rows are dequantized once into an L1
 // buffer first, which tiles of up to kBufferedRows rows read. (A register tile of more rows
-// keeps more rows of x in L1 than it holds: measured slower, bench/results/blocks-avx512-*.)
+// keeps more rows of x in L1 than it holds: measured slower, bench/results/avx512-direct-rows-2026-12-03.md.)
 // The AVX2 path has its own bound, kDirectRowsAvx2.
 constexpr int64_t kDirectRows = 4;
 // Weight rows per group: dequantized together, each thread's rows a whole number of groups.
@@ -265,15 +265,14 @@ SPECENGINE_INLINE __m128i scale_min_k4_bytes(const uint8_t* p) {
 // widening (vpmovzxbd), an integer to float conversion and one FMA, exact as exact_affine
 // (AVX-512 path, below) explains. Each (row of x, weight row) has one vector of partial sums over
 // k in steps of 8, the same from registers or the buffer. (F16C converts the scale fields: every AVX2 CPU has it, the path
-// still asks.) On the 2-core Zen 3 VM this was written on, what bounded one row of x was the
-// scales: converted into an array and read back, they took about a quarter of the time, so a
+// still asks.) For one row of x the scales bound the loop: converting them into an array and
+// reading them back is a large share of the work (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md), so a
 // one-tile call broadcasts the legacy types' d and m into registers straight from the block.
 #define BLOCKS_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define BLOCKS_AVX2_INLINE BLOCKS_AVX2 SPECENGINE_INLINE
 
-// kPrefetchBytes for this path: tuned on the 2-core Zen 3 VM it ran on (SmolLM2's Q4_1 matrices
-// streamed from memory, 2 threads), where 4 KB ahead took 131-135 us a matrix, 2 KB 137-151,
-// 16 KB 145-196 and none 209.
+// kPrefetchBytes for this path, not linear.cpp's: 4 KB ahead was the best distance for these
+// loops on an AVX2 CPU (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 constexpr int64_t kPrefetchBytesAvx2 = 4096;
 
 bool use_blocks_avx2() {
@@ -366,8 +365,8 @@ struct Avx2Blocks {
       return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
     } else if constexpr (T == WeightType::Q4_K || T == WeightType::Q5_K) {
       // Sub-block g: byte l of its 32 holds weight l in its low (g even) or high (g odd) nibble.
-      // (Widening the bytes once for both sub-blocks of a pair was slower: on the Zen 3 VM, one
-      // row of x against 8 weight rows then ran out of registers.)
+      // (Widened per sub-block, not once for both of a pair: one row of x against 8 weight rows
+      // would then run out of registers.)
       const __m256i bytes = widen_u8(b + L.qs + 32 * (g / 2) + 8 * v);
       __m256i q = g % 2 == 0 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes, 4);
       if constexpr (T == WeightType::Q5_K) {  // bit g of qh byte l
@@ -487,9 +486,9 @@ BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0) {
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
   // Scales a tile converts itself: the legacy types' into registers (Avx2Group). Q4_K and Q5_K's
-  // for all 8 sub-blocks of each column once a block, from 2 rows of x on; at 1 row each group's
-  // own two as it goes, as Q6_K's (measured on the Zen 3 VM, 4096 x 4096 Q4_K at 4 rows: 3.7 GB/s
-  // a block against 2.5 a group; at 1 row 4.9 a group against 3.8-4.2; Q6_K a group either way).
+  // for all 8 sub-blocks of each column once a block, from 2 rows of x on (their conversion shared
+  // by the rows); at 1 row each group's own two as it goes, as Q6_K's, whose conversion is cheap
+  // either way (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
   constexpr bool kK4 = T == WeightType::Q4_K || T == WeightType::Q5_K;
   constexpr bool kBlockScales = kK4 && ROWS > 1;
   constexpr bool kGroupScales = !Avx2Group<T>::kRegisterScales && D::kScales > 0 && !kBlockScales;
@@ -604,10 +603,9 @@ BLOCKS_AVX2 void rows_buffered_avx2(const Slice& s, const float* w, int64_t n0) 
 
 // Rows of x up to which this path dequantizes blocks into registers (one tile of all rows), and
 // past which into the buffer, once per group of weight rows, for tiles of 6 rows of x against
-// 2 weight rows. Measured on the 2-core Zen 3 VM (SmolLM2's Q4_1 layers, ms a pass): registers
-// 9.9 at 5 rows and 16.1 at 8, against 14.5 and 21.6 from the buffer; from 9 rows on the buffer
-// 21.7, 26.5 and 34.0 at 9, 12 and 16 rows, against 25.3, 30.2 and 39.6 for tiles of 4 rows
-// each dequantizing again (Q8_0 and Q6_K alike; Q4_K 4-12% slower from the buffer).
+// 2 weight rows: up to 8 rows the registers are faster than the buffer's store and reload, past
+// them the buffer is faster than tiles that each dequantize again (measured: see
+// bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 constexpr int64_t kDirectRowsAvx2 = 8;
 
 template <WeightType T>
@@ -616,8 +614,8 @@ BLOCKS_AVX2 void slice_avx2(const Slice& s, float* buffer) {
   if (s.R <= kDirectRowsAvx2) {
     if (s.R == 1)  // one row of x: eight independent sums to hide FMA latency
       for (; n + 8 <= s.end; n += 8) columns_direct_avx2<T, 8>(s, n);
-    // 5 to 8 rows: one column at a time (on the Zen 3 VM, SmolLM2's Q4_1 matrices took 12.3 ms
-    // a pass at 5 rows against 19.9 in a 4-row and a 1-row tile, each dequantizing the blocks).
+    // 5 to 8 rows: one column at a time, every block dequantized once for all rows, not in
+    // several tiles that each dequantize it (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
     if (s.R <= 4)
       for (; n + 2 <= s.end; n += 2) columns_direct_avx2<T, 2>(s, n);
     for (; n < s.end; ++n) columns_direct_avx2<T, 1>(s, n);
@@ -642,10 +640,9 @@ bool use_blocks_avx512() {
   return f16c && use_avx512();
 }
 
-// What bounded these loops on the 2-core AVX-512 (Zen 5) VM they were tuned on was shuffles:
-// vpermps lookups, broadcasts of scales from registers and vpmovzxbd widenings, against two
-// 512-bit FMAs a cycle (leaving out the lookups and the scale broadcasts of Q4_1 doubled the
-// rate of 1-4 rows, in L2). So a block's scales are converted ahead into a small float array and
+// What bounds these loops is shuffles (vpermps lookups, broadcasts of scales from registers,
+// vpmovzxbd widenings) more than the two 512-bit FMAs a cycle (measured: see
+// bench/results/kernel-tuning-2026-11-29-to-12-03.md). So a block's scales are converted ahead into a small float array and
 // broadcast from memory (a load, folded into the FMA that builds a table), and a block's bytes
 // are spread over the 16 lanes by a 128-bit broadcast load and a per-lane shift (vpsrlvd),
 // not widened: lane l of a vector of 16 weights then holds byte kLaneByte[l] = 4 (l % 4) + l / 4
@@ -1022,9 +1019,9 @@ BLOCKS_AVX512 void tile_buffered(const Slice& s, const float* x, int64_t xs, con
 // All R rows of x against COLS buffered weight rows, in tiles of at most kBufferedRows rows
 // (ROWS x COLS accumulators, COLS weight vectors and a row of x within the 32 registers), the
 // rows shared out evenly: a tile of one or two rows loads about as many vectors as it multiplies.
-// Seven rows take one tile of 7 (GCC takes a weight vector from memory): whole-model passes on
-// one thread (bench/results/vnni-pieces-2026-12-03.md) took 0.92-0.95x the time of 8 rows where tiles of 3 and 4
-// rows had taken 1.04x; tiles of 7 in 13 and 14 rows measured slower than tiles of 4-6.
+// Seven rows take one tile of 7 (GCC takes a weight vector from memory), faster than tiles of 3
+// and 4; 13 and 14 rows take tiles of 4-6, faster than tiles of 7 (measured: see
+// bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 constexpr int64_t kBufferedRows = 6;
 template <int COLS>
 BLOCKS_AVX512 void columns_buffered(const Slice& s, const float* x, int64_t xs, const float* w, int64_t n0) {

@@ -1,7 +1,6 @@
 // A whole decoder layer (Llama) or decoder block (T5) in one call (see decoder.h), composed of
-// the layer ops of layers.h and blocks.h. Measured on the 2-core machine this was
-// written on, the Python and torch calls between those ops cost about 0.45 ms per layer of the
-// shipped target (3.7 of its 9.1 ms step) and 0.8 ms per layer of the draft.
+// the layer ops of layers.h and blocks.h: at the shipped models' sizes the Python and torch calls
+// between those ops cost as much as the ops (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 #include "decoder.h"
 
 #include <algorithm>

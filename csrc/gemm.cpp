@@ -1,10 +1,10 @@
 // Prompt-sized products with bfloat16 weights on AMX tiles, accurate to float32 (see gemm.h).
 //
-// Why: a prefill is compute-bound, and float32 FMAs on the weights widened to float32 (oneDNN's
-// sgemm) held 108-160 GFLOP/s on the 2-core AVX-512 VM this was written on. One AMX bfloat16
-// tile product does 16 x 16 x 32 multiply-adds; three of them per step (x split in three
-// bfloat16 terms) ran SmolLM2's four layer shapes at 430-540 GFLOP/s from 64 rows on, with a
-// largest error of 0.3x that of a sequential float32 dot product (relative to sum |x_k w_k|).
+// Why: a prefill is compute-bound, and one AMX bfloat16 tile product does 16 x 16 x 32
+// multiply-adds, far more a cycle than float32 FMAs on the weights widened to float32 (oneDNN's
+// sgemm). Three of them per step (x split in three bfloat16 terms) keep the result as accurate as
+// a float32 sum, and still run several times an sgemm's rate on prompt-sized products
+// (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 //
 // Layout of one step (k advances by 32): result tiles C0, C1 (16 rows x 16 float32 columns
 // each) += A (16 rows x 32 bfloat16 of one term of x) . B0, B1 (32 k x 16 columns of weights,

@@ -1,9 +1,8 @@
 // Prompt-sized products against a matrix of ggml blocks, in float32 (see gemm_blocks.h).
 //
-// Why not oneDNN's sgemm on dequantized weights: a prefill is compute-bound, and on the 2-core
-// AVX-512 (Zen 5) VM this was written on, F.linear held 150-170 GFLOP/s with 2 threads on
-// SmolLM2's shapes (K = 576 -> N = 192..1536, K = 1536 -> 576; 64 or 512 rows) against a bare
-// FMA loop's 470; the loops below held 290-420 (bench/bench_prefill.py --kernels).
+// Why not oneDNN's sgemm on dequantized weights: a prefill is compute-bound, and on SmolLM2's
+// shapes sgemm reaches a third of what a bare FMA loop does, the loops below most of it
+// (bench/bench_prefill.py --kernels; measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 //
 // Shape of the work: the matrix's rows are taken kPanelCols = 32 at a time, a panel: dequantized
 // by blocks.cpp 16 rows at a time into a scratch buffer, then transposed so that each k holds the
@@ -13,9 +12,9 @@
 // lane of one accumulator, so nothing is reduced across lanes, and its sum is the chain over k of
 // gemm_blocks.h whatever tile or thread computes it. The panel (K * 128 bytes: 72 KB at K = 576,
 // 192 KB at 1536) stays in L2 while every row of x passes over it; x reaches L1 a tile at a time,
-// read once per panel. (A dot-product tile, 16-lane partial sums of x rows against weight rows
-// reduced at the end, needs no transpose but held 300-380 GFLOP/s in the same test: its loads
-// per FMA are higher and its reduction is paid per output.)
+// read once per panel. (Not a dot-product tile, 16-lane partial sums of x rows against weight
+// rows reduced at the end: it needs no transpose, but its loads per FMA are higher and its
+// reduction is paid per output.)
 //
 // Threads share (row chunk, panel) work items: panels are dequantized once per row chunk, and a
 // whole output is computed by the thread that owns its item.
@@ -70,9 +69,9 @@ SPECENGINE_AVX512 void transpose_into_panel_avx512(const float* rows, int64_t co
   }
 }
 
-// transpose_into_panel, 8 x 8 weights at a time (the k past the last multiple of 8 one by one).
-// On the 2-core Zen 3 VM, a pass over SmolLM2-shaped Q4_1 matrices at 32 rows of x took 64 ms
-// this way against 104 with the scalar loop's strided stores (Q4_K-shaped: 80 against 129).
+// transpose_into_panel, 8 x 8 weights at a time (the k past the last multiple of 8 one by one):
+// register transposes instead of the scalar loop's strided stores, which dominated a pass on AVX2
+// CPUs (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 SPECENGINE_AVX2 void transpose_into_panel_avx2(const float* rows, int64_t cols, int64_t K, float* panel,
                                                int64_t half) {
   const int64_t K8 = K & ~int64_t{7};
@@ -178,9 +177,8 @@ SPECENGINE_AVX2 void tile_avx2(const float* xt, int64_t K, const float* panel, c
 
 // ---- AVX-512 path: a whole panel (32 outputs, two 512-bit vectors) per tile of 8 rows ------------
 // 16 accumulators, twice the FMAs two units with a 4-cycle latency need in flight. Per k, 10 loads
-// (2 of the panel, 8 broadcasts) feed 16 FMAs. Tiles of 12 and 14 rows (24 and 28 accumulators)
-// were no faster on the Zen 5 VM (within its noise, 1 and 2 threads), and 8 divides the usual
-// prompt lengths.
+// (2 of the panel, 8 broadcasts) feed 16 FMAs. More rows a tile gain nothing once the FMA units
+// are fed (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md), and 8 divides the usual prompt lengths.
 
 constexpr int kTileAvx512 = 8;
 

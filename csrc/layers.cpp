@@ -2,10 +2,9 @@
 // (see layers.h).
 //
 // Why in C++: the shipped models are small (hidden 192 and 512), so a decode step's torch ops
-// each do microseconds of arithmetic behind tens of microseconds of dispatch. Measured on the
-// 2-core machine this was written on: the ~10 torch ops between a layer's projections (rotary,
-// cache write, mask, SDPA, transposes) took 0.5 ms per layer and an RMSNorm module 70 us, most
-// of the shipped target's 12 ms step. Each is one call here.
+// each do microseconds of arithmetic behind tens of microseconds of dispatch: the ~10 torch ops
+// between a layer's projections (rotary, cache write, mask, SDPA, transposes) and an RMSNorm
+// module were most of a step (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md). Each is one call here.
 //
 // Attention, shape of the work. A prefill's attention is compute-bound (SmolLM2-135M, 512 tokens:
 // ~9 GFLOP over 30 layers), so queries are taken in tiles that share their keys and values: a unit

@@ -3,9 +3,8 @@
 // Work is split over output columns (by linear_blocks): each thread owns a slice of the weight
 // matrix and streams it once, computing every row of x against a few weight rows at a time while
 // those rows sit in L1. x (at most a few rows of a few KB) stays in L2 for the whole call.
-// On the 2-core AVX2 machine this was first written on, one row is bound by memory bandwidth
-// and five or more rows by the FMA units (about 23 GFLOP/s per core, measured by a bare FMA loop
-// at 19.5). CPUs with AVX-512 take 512-bit tiles of the same loop order.
+// One row is bound by memory bandwidth, a few rows by the FMA units (measured: see
+// bench/results/kernel-tuning-2026-11-29-to-12-03.md). CPUs with AVX-512 take 512-bit tiles of the same loop order.
 #include "linear.h"
 
 #include <algorithm>
@@ -19,11 +18,9 @@ namespace specengine {
 namespace {
 
 // How far ahead of the tile being computed its thread's weight stream is prefetched, into L2.
-// The stream is one contiguous run of rows per thread, yet on the 2-core AVX-512 VM this was
-// tuned on (a standalone copy of these loops over SmolLM2's 30 layers and head, 270 MB of
-// weights, 1-3 rows) the hardware prefetchers alone left a pass at 15-20 ms, and a prefetch of
-// the next tile into L1 at 10.5-12.2 ms. 16 KB ahead into L2 gave 9.3-10.4 ms; 8 KB and 32-64 KB
-// were slower, and so was the L1 hint at any distance.
+// The stream is one contiguous run of rows per thread, yet the hardware prefetchers alone leave
+// it well short of the memory's bandwidth; 16 KB ahead into L2 was the best distance measured,
+// and better than any prefetch into L1 (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 constexpr int64_t kPrefetchBytes = 16384;
 
 // Weight rows between a tile's first row and the row it prefetches (rows of K bfloat16 weights).

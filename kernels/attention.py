@@ -52,8 +52,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, positions_ptr, m_ptr, l_ptr, acc_ptr, T, 
     row_ok = t < T
     d = tl.arange(0, BLOCK_D)
     # Positions and offsets within a row's cache in int32 (capacity * Hkv * D stays below 2^31):
-    # int64 [rows, keys] masks and [keys, D] offsets took 255 registers at 16 rows and head_dim 64
-    # on sm_90, int32 168.
+    # [rows, keys] masks and [keys, D] offsets in int64 would need about half as many registers
+    # again on sm_90 (tests/compile_triton.py reports them).
     q_pos = tl.load(positions_ptr + b * T + t, mask=row_ok, other=-1).to(tl.int32)
     # Padding queries (positions at or past kv_len: the spill slot's) do not widen the span: a
     # padded bucket of a CUDA graph would otherwise read its rows' whole capacity.

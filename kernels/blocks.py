@@ -59,7 +59,7 @@ batch (but not the same as the decode kernel's: the engine compares decoding wit
 Tiles for an H200 (141 GB at 4.8 TB/s, 132 SMs): a decode product is a stream of the weights,
 so what counts is bytes in flight on every SM. Each _gemv_kernel thread dequantizes 8 weights of
 a group per step (a [32, 32] tile in 4 warps: 80-150 registers on sm_90, three or more programs
-per SM; [128, 32] tiles took 250 registers, two programs per SM, and spilled). A small model has few
+per SM; wider tiles halve the programs per SM and spill: tests/compile_triton.py). A small model has few
 row tiles (SmolLM2-135M: N = 576 over K = 576; a 1B model's down projection: N = 2048 over
 K = 8192, 64 tiles), so K is split until about TARGET_PROGRAMS programs of SPLIT_BLOCK_N rows run
 (counted at that tile whatever BLOCK_N is: the split depends on the matrix's (N, K) only), each
@@ -67,7 +67,7 @@ split at least MIN_SPLIT_GROUPS groups so the partial sums stay small beside the
 rows (a batch's verification) loop over row tiles, the group re-read from L1/L2 for each. A
 prompt's product is float32 FMAs (no TF32), compute-bound: _gemm_kernel's BLOCK_R rows share each
 dequantized group. The tiles and split count depend on the shapes only, never on values, so a
-graph-captured step keeps its grid. (Measured registers: tests/compile_triton.py; speed on an H200: not yet.)
+graph-captured step keeps its grid. (tests/compile_triton.py reports the registers; no H200 speed is recorded.)
 """
 from __future__ import annotations
 

@@ -139,6 +139,8 @@ def product_difference_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
 def excess(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> tuple[float, str]:
     """(the largest |got - want| / bound, where) over all elements, in float64. NaN counts as
     past every bound; equal infinities (masked logits) as within."""
+    if got.numel() == 0:
+        return 0.0, "no elements"
     got64, want64 = got.detach().cpu().double(), want.detach().cpu().double().reshape(got.shape)
     bound = bound.detach().cpu().double().expand(got.shape)
     same = got64 == want64  # equal infinities too
@@ -174,6 +176,17 @@ def assert_within_product_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Ten
     """got (any leading shape, any device) within product_error_bound of the exact product."""
     x2 = x.reshape(-1, x.shape[-1])
     assert_within(got.reshape(x2.shape[0], -1), exact_product(x2, w, bias), product_error_bound(x2, w, bias, terms))
+
+
+def rms_norm_error_bound(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the exact g x / sqrt(mean(x^2) + eps) over the last dimension, float64 [..., n]; the
+    elementwise bound on a float32 computation's error in it): mean(x^2) + eps sums n + 1 terms of
+    one sign through at most n + 2 roundings (squares, sum, 1/n, eps), gamma(n + 2) relative to its
+    value whatever the order; the square root halves that and adds C_F u; 1/r, x * (1/r) and * g
+    add u each. Relative to |y|, first order (as _rms_norm's, worst case instead of a walk)."""
+    x64, w64 = x.detach().cpu().double(), weight.detach().cpu().double()
+    y = w64 * x64 / (x64.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return y, (0.5 * gamma(x.shape[-1] + 2) + (C_F + 3) * U) * y.abs() + UNDERFLOW
 
 
 # ---- attention -------------------------------------------------------------------------------
@@ -290,6 +303,33 @@ def _attention_error_bound(q, k, v, cos, sin, positions, kv_len, window, scale, 
         out = tracked_attention(qr, Tracked(keys_v, keys_e), Tracked(vals_v), visible, scale)
         outs.append(out.v.reshape(T, H * D))
         errs.append(out.e.reshape(T, H * D))
+    return torch.stack(outs), torch.stack(errs)
+
+
+def relative_attention_error_bound(q, k, v, positions, cache_k, cache_v, kv_len, bias_table=None):
+    """(exact output [B, T, H * D], bound on a float32 computation's error) of ops.attention's
+    relative_attention (T5: k and v, when given, written at positions (clamped to the spill slot);
+    query at p attends to keys j <= p, j < kv_len, scores q . k_j + bias_table[p - j], unscaled)
+    on float32 inputs, exact in float64; the bias table's entries are exact inputs."""
+    B, T, H, D = q.shape
+    outs, errs = [], []
+    with _one_thread():
+        for b in range(B):
+            pos = positions[b]
+            keys, values = cache_k[b].double().clone(), cache_v[b].double().clone()
+            if k is not None:
+                slots = pos.clamp(max=keys.shape[0] - 1)
+                keys[slots], values[slots] = k[b].double(), v[b].double()
+            key_pos = torch.arange(kv_len)
+            visible = key_pos <= pos[:, None]  # [T, kv_len]
+            bias = None
+            if bias_table is not None:
+                distance = (pos[:, None] - key_pos).clamp(min=0)
+                bias = bias_table.double()[distance].permute(2, 0, 1)  # [H, T, kv_len]
+            out = tracked_attention(Tracked(q[b].double()), Tracked(keys[:kv_len]), Tracked(values[:kv_len]),
+                                    visible, 1.0, bias)
+            outs.append(out.v.reshape(T, H * D))
+            errs.append(out.e.reshape(T, H * D))
     return torch.stack(outs), torch.stack(errs)
 
 
@@ -547,6 +587,19 @@ class Float64Llama:
         return cls(_f64(model.model.embed_tokens.weight), layers, _f64(model.model.norm.weight),
                    _f64(model.lm_head.weight), c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, tables)
 
+    @classmethod
+    def from_layer_weights(cls, w, heads: int, kv_heads: int, head_dim: int, eps: float,
+                           window: int | None = None) -> "Float64Llama":
+        """One layer (index 0, for `layer`) from ops.decoder_layer's DecoderLayerWeights with every
+        matrix a dense tensor (a BlockMatrix dequantized first): no embedding, norm or head."""
+        sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        gate, up = _f64(w.gate_up).chunk(2)
+        gate_bias, up_bias = _split(_f64(w.gate_up_bias), (w.gate_up.shape[0] // 2,) * 2)
+        layer = _Layer(_f64(w.input_norm), *_f64(w.qkv).split(sizes), _f64(w.o), _f64(w.post_norm), gate, up,
+                       _f64(w.down), *_split(_f64(w.qkv_bias), sizes), _f64(w.o_bias), gate_bias, up_bias,
+                       _f64(w.down_bias), _f64(w.q_norm), _f64(w.k_norm), window)
+        return cls(None, [layer], None, None, heads, kv_heads, head_dim, eps, None)
+
     def _layer(self, i, x, positions, cos, sin, table_error, keys, values, kv_len, terms, r):
         """Layer i on x [T, hidden] at positions [T]: k and v written into keys and values
         [>= kv_len, Hkv, D] (float64 copies of a cache row; positions past them not written),
@@ -761,42 +814,47 @@ class Float64T5:
                               self.config.relative_attention_max_distance)
         return table[buckets].permute(2, 0, 1)
 
-    def _attend(self, a: _T5Attention, x, memory, visible, bias, r):
+    def _attend(self, a: _T5Attention, x, memory, visible, bias, terms, r):
         """x + o(attention(q(norm x), k and v of memory (norm x itself when None)))."""
         h = _rms_norm(x, a.norm, self.eps, r)
         source = h if memory is None else memory
-        q = _linear(h, a.q, None, 1, r).view(len(h), self.heads, self.d_kv)
-        k, v = (_linear(source, w, None, 1, r).view(len(source), self.heads, self.d_kv) for w in (a.k, a.v))
-        return _add(x, _linear(_attention(q, k, v, visible, 1.0, r, bias), a.o, None, 1, r), r)
+        q = _linear(h, a.q, None, terms, r).view(len(h), self.heads, self.d_kv)
+        k, v = (_linear(source, w, None, terms, r).view(len(source), self.heads, self.d_kv) for w in (a.k, a.v))
+        return _add(x, _linear(_attention(q, k, v, visible, 1.0, r, bias), a.o, None, terms, r), r)
 
-    def _feed_forward(self, b: _T5Block, x, r):
+    def _feed_forward(self, b: _T5Block, x, terms, r):
         h = _rms_norm(x, b.ff_norm, self.eps, r)
         if self.gated:
-            h = _mul(self.activation(_linear(h, b.wi[0], None, 1, r), r), _linear(h, b.wi[1], None, 1, r), r)
+            h = _mul(self.activation(_linear(h, b.wi[0], None, terms, r), r), _linear(h, b.wi[1], None, terms, r), r)
         else:
-            h = self.activation(_linear(h, b.wi[0], None, 1, r), r)
-        return _add(x, _linear(h, b.wo, None, 1, r), r)
+            h = self.activation(_linear(h, b.wi[0], None, terms, r), r)
+        return _add(x, _linear(h, b.wo, None, terms, r), r)
 
-    def _forward(self, source: list[int], decoder: list[int], r: _Roundings) -> torch.Tensor:
-        S, T = len(source), len(decoder)
+    def _encode(self, source: list[int], terms: int, r: _Roundings) -> torch.Tensor:
+        """The encoder's output [S, d_model] (after its final norm)."""
+        S = len(source)
         x = self.embed[torch.tensor(source)]
         everything = torch.ones(S, S, dtype=torch.bool)
         bias = self._position_bias(self.encoder_bias_table, S, S, True)
         for b in self.encoder_blocks:
-            x = self._feed_forward(b, self._attend(b.self_attn, x, None, everything, bias, r), r)
-        memory = _rms_norm(x, self.encoder_norm, self.eps, r)
+            x = self._feed_forward(b, self._attend(b.self_attn, x, None, everything, bias, terms, r), terms, r)
+        return _rms_norm(x, self.encoder_norm, self.eps, r)
+
+    def _forward(self, source: list[int], decoder: list[int], terms: int, r: _Roundings) -> torch.Tensor:
+        S, T = len(source), len(decoder)
+        memory = self._encode(source, terms, r)
         y = self.embed[torch.tensor(decoder)]
         causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
         bias = self._position_bias(self.decoder_bias_table, T, T, False)
         sees_source = torch.ones(T, S, dtype=torch.bool)
         for b in self.decoder_blocks:
-            y = self._attend(b.self_attn, y, None, causal, bias, r)
-            y = self._feed_forward(b, self._attend(b.cross_attn, y, memory, sees_source, None, r), r)
+            y = self._attend(b.self_attn, y, None, causal, bias, terms, r)
+            y = self._feed_forward(b, self._attend(b.cross_attn, y, memory, sees_source, None, terms, r), terms, r)
         y = _rms_norm(y, self.decoder_norm, self.eps, r)
         if self.scale_output is not None:
             y = y * self.scale_output
             y = r(y, U * y.abs())
-        return _linear(y, self.lm_head, None, 1, r)
+        return _linear(y, self.lm_head, None, terms, r)
 
     def _transformers_float64(self, source: list[int], decoder: list[int]) -> torch.Tensor:
         hf64 = copy.deepcopy(self.hf).to(torch.float64)
@@ -807,12 +865,19 @@ class Float64T5:
         with torch.no_grad(), _one_thread():
             return hf64(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([decoder])).logits[0]
 
-    def logits(self, source: list[int], decoder: list[int]) -> Logits:
+    def encoded(self, source: list[int], terms: int = 1) -> Logits:
+        """The encoder's exact output [len(source), d_model] and the bound on a float32 forward's
+        error in it (terms as in logits)."""
+        (exact,), (spread,) = _estimate(lambda r: (self._encode(list(source), terms, r),))
+        return Logits(exact, spread)
+
+    def logits(self, source: list[int], decoder: list[int], terms: int = 1) -> Logits:
         """Exact logits [len(decoder), V] of the decoder tokens (the start token first) given the
-        encoder's source tokens, and the bound on a float32 forward's error in them. Cached."""
-        key = (tuple(source), tuple(decoder))
+        encoder's source tokens, and the bound on a float32 forward's error in them (terms=3:
+        products with x split in three bfloat16 terms, the AMX path). Cached."""
+        key = (tuple(source), tuple(decoder), terms)
         if key not in self._cache:
-            (exact,), (spread,) = _estimate(lambda r: (self._forward(list(source), list(decoder), r),))
+            (exact,), (spread,) = _estimate(lambda r: (self._forward(list(source), list(decoder), terms, r),))
             if self.hf is not None:
                 # transformers' float64 forward agrees to float64 rounding, far inside the bound
                 assert within(exact, self._transformers_float64(list(source), list(decoder)), 1e-3 * spread), \
@@ -826,6 +891,50 @@ class Float64T5:
         continuation of the encoder's prompt (the decoder fed the start token, then the
         continuation's tokens before it)."""
         return self.logits(prompt, [self.start] + list(continuation[:-1]))[:len(continuation)]
+
+
+def t5_block_bounds(x, w, heads: int, head_dim: int, activation: str, gated: bool, eps: float, positions,
+                    cache_k, cache_v, kv_len: int, bias_table, source_last, cross_k, cross_v, terms: int = 1):
+    """ops.decoder_layer's t5_decoder_block on rows x [B, T, hidden] at positions [B, T], its weights
+    w (T5BlockWeights, bfloat16 or float32 matrices) exact inputs, as are the caches' entries, the
+    bias table and the encoder's keys and values: ((out, cache_k, cache_v), (their bounds)) as
+    Float64T5's (module docstring). Self-attention: k and v written at positions (clamped to the
+    spill slot), keys j <= p, j < kv_len, scores + bias_table[p - j]; cross-attention: encoder keys
+    0..source_last; all unscaled."""
+    act = {"relu": _relu, "gelu_new": _gelu_tanh}[activation]
+    HD = heads * head_dim
+    wq, wk, wv = _f64(w.qkv).split(HD)
+    wi = _f64(w.wi).chunk(2) if gated else (_f64(w.wi),)
+    norms = [_f64(t) for t in (w.self_norm, w.cross_norm, w.ff_norm)]
+    self_o, cross_q, cross_o, wo, table = (_f64(t) for t in (w.self_o, w.cross_q, w.cross_o, w.wo, bias_table))
+    B, T, _ = x.shape
+
+    def run(r):
+        outs, ks, vs = [], cache_k.double().clone(), cache_v.double().clone()
+        for b in range(B):
+            pos, y = positions[b], x[b].double()
+            h = _rms_norm(y, norms[0], eps, r)
+            q, k, v = (_linear(h, m, None, terms, r).view(T, heads, head_dim) for m in (wq, wk, wv))
+            slots = pos.clamp(max=ks.shape[1] - 1)
+            ks[b, slots], vs[b, slots] = k, v
+            key_pos = torch.arange(kv_len)
+            bias = table[(pos[:, None] - key_pos).clamp(min=0)].permute(2, 0, 1)  # [H, T, kv_len]
+            attended = _attention(q, ks[b, :kv_len], vs[b, :kv_len], key_pos <= pos[:, None], 1.0, r, bias)
+            y = _add(y, _linear(attended, self_o, None, terms, r), r)
+            h = _rms_norm(y, norms[1], eps, r)
+            cq = _linear(h, cross_q, None, terms, r).view(T, heads, head_dim)
+            S = int(source_last[b].max()) + 1  # encoder entries past every query's last are never read
+            seen = torch.arange(S) <= source_last[b][:, None]
+            attended = _attention(cq, _f64(cross_k[b, :S]), _f64(cross_v[b, :S]), seen, 1.0, r)
+            y = _add(y, _linear(attended, cross_o, None, terms, r), r)
+            h = _rms_norm(y, norms[2], eps, r)
+            if gated:
+                h = _mul(act(_linear(h, wi[0], None, terms, r), r), _linear(h, wi[1], None, terms, r), r)
+            else:
+                h = act(_linear(h, wi[0], None, terms, r), r)
+            outs.append(_add(y, _linear(h, wo, None, terms, r), r))
+        return torch.stack(outs), ks, vs
+    return _estimate(run)
 
 
 # ---- tokens across different arithmetic ------------------------------------------------------

@@ -1,7 +1,5 @@
 """The C++ block-format ops (specengine.ops.blocks_cpp, csrc/blocks.cpp) against gguf's numpy
 dequantization and ops.blocks' torch reference, on every instruction-set path."""
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +14,7 @@ from specengine.ops.product import GEMM_MIN_TOKENS_PER_ROW
 from specengine.ops.decoder_layer import DecoderLayerWeights, decoder_layer
 from specengine.ops.norm import rms_norm
 
-from bounds import within_product_bound
+from bounds import Float64Llama, assert_within, assert_within_product_bound, within_product_bound
 from conftest import cpu_isa_limit
 from gguf_util import random_k_blocks
 
@@ -89,10 +87,6 @@ def widths(weight_type: WeightType) -> list[int]:
     return [32, 96, 160, 576]
 
 
-def scale_of(x: torch.Tensor, w: torch.Tensor) -> float:
-    return float(x.abs().max()) * float(w.abs().max()) + 1e-30
-
-
 # ---- dequantization: bit for bit gguf's ------------------------------------------------------------
 
 
@@ -152,10 +146,11 @@ def check_product(m: BlockMatrix, x: torch.Tensor, bias: torch.Tensor | None):
     want = linear_blocks(x, m, bias, impl="reference")
     got = linear_blocks(x, m, bias, impl="cpp")
     assert got.shape == want.shape and got.dtype == torch.float32
-    K = m.in_features
-    atol = 1e-5 * math.sqrt(max(K, 1)) * scale_of(x, dequantize_reference(m)) + (
-        0 if bias is None else 1e-6 * float(bias.abs().max()))
-    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    # Both are float32 products of the same dequantized weights, in different summation orders:
+    # each within a float32 sum's bound (tests/bounds.py) of the exact product.
+    w = dequantize_reference(m)
+    assert_within_product_bound(want, x, w, bias)
+    assert_within_product_bound(got, x, w, bias)
 
 
 ROWS = [1, 2, 3, 5, 8, 17, 31, 32, 33, 64, 65]
@@ -334,9 +329,7 @@ def test_a_nibble_swap_would_fail_the_product_test():
     x = torch.randn(3, 96)
     check_product(m, x, None)  # the right reference passes
     with pytest.raises(AssertionError):
-        want = linear_blocks(x, wrong, impl="reference")
-        atol = 1e-5 * math.sqrt(96) * scale_of(x, dequantize_reference(m))
-        torch.testing.assert_close(linear_blocks(x, m, impl="cpp"), want, atol=atol, rtol=0)
+        assert_within_product_bound(linear_blocks(x, m, impl="cpp"), x, dequantize_reference(wrong))
 
 
 # ---- prompt-sized products (gemm_blocks): a float32 sum's error, and batch invariance --------------
@@ -553,13 +546,20 @@ def test_decoder_layer_with_block_matrices_matches_the_references(case, B, T, st
     cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
     cache_k, cache_v = torch.randn(2, B + 1, capacity + 1, Hkv, D, generator=g)
     kv_len = min(max(starts) + T, capacity)
+    # The exact results on the dequantized weights (the float32 cos and sin as given) and their
+    # float32 bounds (tests/bounds.py): output, and the k and v after the writes.
+    dense = w._replace(**{name: dequantize_reference(getattr(w, name)) for name in ("qkv", "o", "gate_up", "down")})
+    (exact, exact_k, exact_v), (bound, bound_k, bound_v) = Float64Llama.from_layer_weights(
+        dense, H, Hkv, D, 1e-5).layer(0, x, positions, cos, sin, cache_k, cache_v, kv_len)
     want_k, want_v = cache_k.clone(), cache_v.clone()
     want = reference_layer(x, w, H, Hkv, D, 1e-5, cos, sin, positions, want_k, want_v, kv_len)
     with cpu_isa_limit(isa):
         got = decoder_layer(x.clone(), w, H, Hkv, D, 1e-5, cos, sin, positions, cache_k, cache_v, kv_len)
-    # Random blocks make large activations: float32 summation error relative to each tensor's largest.
-    for got_t, want_t in ((got, want), (cache_k, want_k), (cache_v, want_v)):
-        torch.testing.assert_close(got_t, want_t, atol=1e-5 * float(want_t.abs().max()), rtol=0)
+    for name, out, k, v in (("C++", got, cache_k, cache_v), ("torch", want, want_k, want_v)):
+        assert_within(out, exact, bound, name)
+        assert_within(k[:B], exact_k[:B], bound_k[:B], f"{name} keys")
+        assert_within(v[:B], exact_v[:B], bound_v[:B], f"{name} values")
+    assert torch.equal(cache_k[B:], want_k[B:]) and torch.equal(cache_v[B:], want_v[B:])  # the spare row
 
 
 def test_decoder_layer_takes_bfloat16_tensors_and_block_matrices_alike():

@@ -11,7 +11,8 @@ from specengine.ops.attention import apply_rope, attention_mask, cached_attentio
 from specengine.ops.decoder_layer import decoder_layer
 from specengine.ops.norm import rms_norm
 
-from bounds import Float64Llama, Tracked, assert_within, attention_error_bound, tracked_rope
+from bounds import (Float64Llama, Tracked, assert_within, attention_error_bound, relative_attention_error_bound,
+                    rms_norm_error_bound, tracked_rope)
 from conftest import ARCH_CASES, cpu_isa_limit
 
 
@@ -324,7 +325,9 @@ def test_rms_norm_matches_the_reference(shape):
     want = rms_norm(x, weight, 1e-6, impl="reference")
     got = rms_norm(x, weight, 1e-6, impl="cpp")
     assert got.shape == want.shape
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=2e-6)
+    exact, bound = rms_norm_error_bound(x, weight, 1e-6)  # both float32, each within the bound
+    assert_within(want, exact, bound, "reference")
+    assert_within(got, exact, bound, "C++")
 
 
 def test_rms_norm_exact_cases():
@@ -332,7 +335,7 @@ def test_rms_norm_exact_cases():
     weight = torch.randn(48)
     assert torch.equal(rms_norm(torch.ones(3, 48), weight, 0.0, impl="cpp"), weight.expand(3, 48))
     x = torch.randn(4, 96)[:, ::2]
-    torch.testing.assert_close(rms_norm(x, weight, 1e-6, impl="cpp"), rms_norm(x, weight, 1e-6), atol=1e-6, rtol=2e-6)
+    assert_within(rms_norm(x, weight, 1e-6, impl="cpp"), *rms_norm_error_bound(x, weight, 1e-6))
 
 
 def test_rms_norm_errors_name_the_problem():
@@ -467,7 +470,10 @@ def test_relative_attention_matches_the_reference(B, T, H, D, slots, starts, kin
             results[impl] = (relative_attention(q, k, v, positions, ck, cv, kv_len, table, impl=impl), ck, cv)
     (want, want_k, want_v), (got, got_k, got_v) = results["reference"], results["cpp"]
     assert got.shape == (B, T, H * D)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    # Both float32: each within the float32 bound of the exact attention (tests/bounds.py).
+    exact, bound = relative_attention_error_bound(q, k, v, positions, cache_k, cache_v, kv_len, table)
+    assert_within(want, exact, bound, "reference")
+    assert_within(got, exact, bound, "C++")
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     if kind == "cross":
         assert torch.equal(got_k, cache_k)  # nothing written

@@ -13,6 +13,7 @@ from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.models import CheckpointError, ConfigError, LlamaForCausalLM, load_model
 
+from bounds import Float64Llama
 from engine_util import tiny_model
 from stats_util import V, chi_square_pvalue, exact_distribution, sample_counts
 
@@ -56,7 +57,10 @@ def test_logits_are_the_full_heads_at_its_ids_and_minus_inf_elsewhere(checkpoint
         a = full.logits(full(tokens, torch.zeros(1, dtype=torch.long), full.new_cache(1, 8)))
         b = part.logits(part(tokens, torch.zeros(1, dtype=torch.long), part.new_cache(1, 8)))
     assert b.shape == a.shape
-    torch.testing.assert_close(b[..., ids], a[..., ids], atol=1e-5, rtol=1e-5)
+    # Both float32 forwards of the same weights: within the float32 bound of the exact logits.
+    exact = Float64Llama.from_specengine(full).logits(tokens[0].tolist())[:, ids]
+    exact.check(a[0, :, ids], "full head")
+    exact.check(b[0, :, ids], "head of the ids")
     others = torch.ones(a.shape[-1], dtype=torch.bool)
     others[ids] = False
     assert torch.isneginf(b[..., others]).all()

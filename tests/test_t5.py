@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from specengine import Engine, SamplingParams
+from specengine import Engine, SamplingParams, _C
 from specengine.drafters.model import ModelDrafter
 from specengine.drafters.ngram import NgramDrafter
 from specengine.layers.kv_cache import EncoderDecoderKVCache
@@ -19,7 +19,7 @@ from specengine.models.t5 import relative_position_bucket
 from specengine.models.t5_config import T5Config
 from specengine.devtools.tiny import make_t5_config, save_random_t5_checkpoint
 from specengine.tokenizer import TokenizerMismatchError
-from bounds import Float64T5, assert_greedy_tokens_agree
+from bounds import AMX_TERMS, Float64T5, assert_greedy_tokens_agree, assert_within, t5_block_bounds
 from conftest import forbid_cpp_products
 from stats_util import chi_square_pvalue, reference_warped_probs
 
@@ -87,7 +87,7 @@ PATHS = {"float32": (torch.float32, "cpp-ops"), "bfloat16-whole-block": (torch.b
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, path, t5, monkeypatch):
+def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, path, t5, exact_t5, monkeypatch):
     dtype, backend = PATHS[path]
     folder = t5(variant, dtype=dtype)
     hf, ours = hf_model(folder), load_model(folder)
@@ -97,21 +97,24 @@ def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, p
         forbid_cpp_products(monkeypatch)
     assert (ours.whole_layer_weights() is not None) == (dtype == torch.bfloat16)
     assert ours.head_is_tied == (variant == "t5-relu-tied") == (hf.lm_head.weight is hf.shared.weight)
+    # The exact results of these weights and their float32 bounds (tests/bounds.py), which every
+    # summation order (portable, AVX2, AVX-512, transformers' BLAS) keeps to; AMX tiles sum a
+    # bfloat16 matrix's products with x in three bfloat16 terms.
+    from specengine import _C
+    terms = AMX_TERMS if dtype == torch.bfloat16 and backend != "torch" and _C.cpu_isa() == "amx" else 1
+    reference = exact_t5(folder)
     ids, mask = padded(SOURCES)
     lengths = mask.sum(1)
+    # Decoder sequences of 20 tokens; rows go ahead unequally, and row 1 rolls back 3 drafts.
+    dec = torch.tensor([[0] + [(7 * b + 3 * t) % 290 + 3 for t in range(19)] for b in range(3)])
+    exact = [reference.logits(source, dec[b].tolist(), terms) for b, source in enumerate(SOURCES)]
     with torch.no_grad():
-        enc_ref = hf.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
         enc = ours.encoder_hidden(ids, lengths)
         for b, n in enumerate(lengths.tolist()):
-            torch.testing.assert_close(enc[b, :n], enc_ref[b, :n], atol=1e-4 * enc_ref.abs().max().item(), rtol=1e-4)
-
-        # Decoder sequences of 20 tokens; rows go ahead unequally, and row 1 rolls back 3 drafts.
-        dec = torch.tensor([[0] + [(7 * b + 3 * t) % 290 + 3 for t in range(19)] for b in range(3)])
+            reference.encoded(SOURCES[b], terms).check(enc[b, :n], f"encoder row {b}")
         ref = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
-        # float32 roundings in each C++ path's summation order (portable, AVX2, AVX-512), grown
-        # through random weights of 2x transformers' scale (a wrong bias bucket, mask or cache
-        # entry moves logits by a tenth of their range or more)
-        atol = 2e-4 * ref.abs().max().item()
+        for b in range(3):
+            exact[b].check(ref[b], "transformers")
         cache = ours.new_cache(3, 24)
         ours.encode(cache, SOURCES)
         # Ragged prefill: rows hold 4, 2 and 7 tokens.
@@ -120,15 +123,15 @@ def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, p
         tokens = torch.stack([torch.cat([c, c.new_zeros(T - len(c))]) for c in chunks])
         logits = ours.logits(ours(tokens, cache.lengths.clone(), cache))
         for b, c in enumerate(chunks):
-            torch.testing.assert_close(logits[b, :len(c)], ref[b, :len(c)], atol=atol, rtol=1e-4)
+            exact[b][:len(c)].check(logits[b, :len(c)], f"prefill row {b}")
         cache.lengths.copy_(torch.tensor([4, 2, 7]))
         # A round: row 1 verifies [its next token, 3 wrong drafts] and keeps the first, so its
         # length goes back to 3 and the stale entries stay past it, to be overwritten.
         wrong = torch.tensor([1, 1, 1])
         step = torch.stack([dec[0, 4:8], torch.cat([dec[1, 2:3], wrong]), dec[2, 7:11]])
         logits = ours.logits(ours(step, cache.lengths.clone(), cache))
-        torch.testing.assert_close(logits[0], ref[0, 4:8], atol=atol, rtol=1e-4)
-        torch.testing.assert_close(logits[1, 0], ref[1, 2], atol=atol, rtol=1e-4)
+        exact[0][4:8].check(logits[0], "round row 0")
+        exact[1][2].check(logits[1, 0], "round row 1")
         cache.lengths.copy_(torch.tensor([8, 3, 11]))
         # Then every row decodes to 20 tokens, 3 at a time.
         while int(cache.lengths.min()) < 20:
@@ -136,7 +139,7 @@ def test_encoder_and_ragged_decoding_with_rollback_equal_transformers(variant, p
             step = torch.stack([dec[b, s:s + 3] for b, s in enumerate(starts.tolist())])
             logits = ours.logits(ours(step, starts, cache))
             for b, s in enumerate(starts.tolist()):
-                torch.testing.assert_close(logits[b], ref[b, s:s + 3], atol=atol, rtol=1e-4)
+                exact[b][s:s + 3].check(logits[b], f"decoding row {b} at {s}")
             cache.lengths.copy_(starts + 3)
 
 
@@ -367,13 +370,20 @@ def test_whole_block_op_checks_its_arguments_and_equals_the_model_block(t5):
     source_last = (cache.source_lengths - 1)[:, None].expand(2, 3).contiguous()
     args = (c.num_heads, c.d_kv, c.activation, c.gated, c.layer_norm_epsilon, positions, *cache.layer(0), 7, table,
             source_last, *cache.cross_layer(0))
+    before = [entries.clone() for entries in cache.layer(0)]  # as the block finds them
     got = t5_decoder_block(x.clone(), weights, *args)
     model.use_backend("cpp-ops")  # the same block op by op
     from specengine.models.t5 import DecoderStep
     step = DecoderStep(positions, 7, source_last, "cpp", table)
     with torch.no_grad():  # as the model runs it (with gradients enabled its products would be torch's)
         by_ops = model.decoder[0](x.clone(), step, cache)
-    torch.testing.assert_close(got, by_ops, atol=1e-5, rtol=1e-5)
+    # Both float32 computations of the block: each within the float32 bound of the exact block
+    # (tests/bounds.py); AMX tiles sum a bfloat16 matrix's products with x in three bfloat16 terms.
+    terms = AMX_TERMS if _C.cpu_isa() == "amx" else 1
+    (exact, _, _), (bound, _, _) = t5_block_bounds(x, weights, *args[:5], positions, *before, 7, table, source_last,
+                                                   *cache.cross_layer(0), terms)
+    assert_within(got, exact, bound, "whole block")
+    assert_within(by_ops, exact, bound, "op by op")
     with pytest.raises(ValueError, match="qkv must be a contiguous torch.bfloat16"):
         t5_decoder_block(x.clone(), weights._replace(qkv=weights.qkv.float()), *args)
     with pytest.raises(ValueError, match="activation must be one of"):

@@ -5,6 +5,7 @@ import torch
 
 from specengine.models.widen import widen
 
+from bounds import Float64Llama, within
 from engine_util import tiny_model
 
 
@@ -31,7 +32,13 @@ def test_widened_model_computes_the_source(shape, backend):
     assert wide.config.hidden_size == shape["hidden_size"] and len(wide.model.layers) == shape["num_layers"]
     tokens = [5, 17, 3, 44, 9, 21, 30, 2]
     expected, got = logits_of(source, tokens), logits_of(wide, tokens)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    # Each model's float32 logits within its own float32 bound of its exact ones (tests/bounds.py).
+    exact_source, exact_wide = (Float64Llama.from_specengine(m).logits(tokens) for m in (source, wide))
+    exact_source.check(expected, "source")
+    exact_wide.check(got, "widened")
+    # The exact functions differ only by the widened norm weights' and eps's float32 rounding (u
+    # relative, once each), less than the rounding of each norm's output that the bound carries.
+    assert within(exact_wide.exact, exact_source.exact, exact_source.bound)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
@@ -47,7 +54,9 @@ def test_widening_adds_parameters_that_matter_for_cost_not_output():
     # A different seed changes the filler weights, never the output.
     other = widen(source, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=2, num_layers=3, seed=1)
     assert not torch.equal(other.model.layers[2].mlp.gate_up_proj.weight, extra.mlp.gate_up_proj.weight)
-    torch.testing.assert_close(logits_of(other, [1, 2, 3]), logits_of(wide, [1, 2, 3]), atol=1e-5, rtol=1e-5)
+    exact = Float64Llama.from_specengine(wide).logits([1, 2, 3])  # both within its float32 bound
+    exact.check(logits_of(wide, [1, 2, 3]), "seed 0")
+    exact.check(logits_of(other, [1, 2, 3]), "seed 1")
 
 
 @pytest.mark.parametrize("shape, message", [

@@ -10,9 +10,7 @@ by round: draft i of a round at position t is accepted with position t + i's pro
 round costs what CostModel.round_seconds says. At temperature 0 the replay is exact (accepted
 drafts are the target's greedy tokens); at temperature 1 an accepted draft is a sample of
 min(p, q), not of p, so a round's later positions are those of a target sample: close, not exact.
-On the shipped pair, replaying the gamma="auto" of 2026-11-30's first run (before its estimate
-was shrunk towards the finished requests') gave +4.6% / -2.4% against gamma 3 at temperature 0 / 1,
-where that run measured +3.8% / -3.3%, and drafts per token within 0.03 of the run's.
+How closely replays matched real runs: bench/results/gamma-policy-2026-11-29-to-12-01.md.
 """
 from __future__ import annotations
 

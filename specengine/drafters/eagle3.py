@@ -27,10 +27,10 @@ entries and q are the same whatever rows, chunks or pieces it was fed with (each
 and each query's attention are computed on their own): seeded sampling stays batch invariant, and
 a prompt fed from the prefix cache's blocks drafts as one prefilled whole.
 
-Rounds from device state (cuda_graphs with rounds_per_read > 1) are not run with this drafter
-yet: runs_in_device_rounds is False, so every round is a host round; nor are the head's steps
+Rounds from device state (cuda_graphs with rounds_per_read > 1) are not run with this drafter:
+runs_in_device_rounds is False, so every round is a host round; nor are the head's steps
 captured as CUDA graphs (use_static_steps refuses a CUDA target; on a CPU the fixed-shape
-steps run eagerly and work).
+steps run eagerly).
 """
 from __future__ import annotations
 

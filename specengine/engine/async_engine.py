@@ -5,9 +5,9 @@ The driver task runs step() on the event loop's own thread and yields to the loo
 where connections are accepted, outputs written and requests added or aborted; they join at the
 next step, as with Engine.add_request. A step in a worker thread would keep the loop free during
 it, but torch's OpenMP then keeps a second team of threads, and with more OpenMP threads than
-cores libgomp stops spinning at its barriers: on a 2-core CPU every later step, on either thread,
-ran 1.6x slower (66 against 41 tokens/s at batch 1). So the engine is used from one thread, the
-loop's, which should be the thread that built it.
+cores libgomp stops spinning at its barriers, so every later step, on either thread, runs slower
+(measured: bench/results/serve-2026-12-01.md). So the engine is used from one thread, the loop's,
+which should be the thread that built it.
 
 Cancelling or closing a generate_async iterator (a client that went away) aborts its request;
 each iterator reads only its own request, so one reader's end never ends another's.

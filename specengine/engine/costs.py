@@ -42,10 +42,10 @@ def timed_widths(max_gamma: int) -> tuple[int, ...]:
     """The verification widths (tokens per row) the engine times the target at on the eager path:
     1 to 5 and the widest (then every fourth below it); measure_costs interpolates the others.
     A target call's cost on a CPU grows with its tokens linearly between steps, where the matrix
-    kernels' tiles of rows fill: at batch 1 the default target's call on 5 tokens costs 1.3x its
-    call on 4, a step that fewer narrow widths interpolate across (1, 2, 3, 5 and 9 then chose
-    gammas worse, 1, 2 and 9 worse still). These chose as well as timing every width, in about
-    half the time: most of it goes to the wide calls (bench/results/categories-2026-12-03.md)."""
+    kernels' tiles of rows fill (the default target's steps up between 4 and 5 tokens), so the
+    narrow widths are all timed: interpolating across such a step misprices the gammas beside it.
+    The wide calls, which take most of the time, are spaced out. Measured: these widths choose as
+    well as timing every width, fewer narrow ones worse (bench/results/categories-2026-12-03.md)."""
     top = max_gamma + 1
     return tuple(sorted({k for k in range(1, 6) if k < top} | {top, *range(top, 5, -4)}))
 
@@ -210,9 +210,10 @@ class CostStore:
     # Measurements quicker than this are not kept: measuring again costs as little, and models
     # made and thrown away (tests' tiny checkpoints in temporary folders) leave no files.
     STORE_AFTER_S = 0.1
-    # Cores other processes may have kept busy while measuring for the costs to be kept: on two
-    # cores shared with a test run, a model's step took 3-30x as long, and not in proportion to
-    # its tokens (the threads of its parallel loops waited on each other).
+    # Cores other processes may have kept busy while measuring for the costs to be kept: under
+    # load a model's step slows by a large factor and not in proportion to its tokens (the
+    # threads of its parallel loops wait on each other), so such costs would misprice every
+    # gamma (measured: bench/results/host-overheads-2026-11-29-to-12-03.md).
     MAX_OTHER_LOAD = 0.2
 
     def __init__(self, key: Mapping, folder: Path | None = None):

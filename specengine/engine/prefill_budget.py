@@ -18,9 +18,9 @@ prompt. The budget is the tokens of all of a step's chunks:
 A chunk's time per token is learnt from chunks only: a whole prompt prefilled while nothing
 decodes spreads each call's fixed cost (every weight read and dequantized for the GEMMs) over all
 its tokens and rows, so its time per token understates a chunk's. A chunk also costs more the
-further into its prompt it lies (its attention reads more keys: SmolLM2-135M's 32-token chunk
-took about 55 ms at the start of a 1,500-token prompt and 90 ms at its end, on 2 cores), so a
-slower chunk counts at once, while a faster one is only averaged in. A step that ran a share of a
+further into its prompt it lies (its attention reads more keys; measured:
+bench/results/join-stall-2026-12-03.md), so a slower chunk counts at once, while a faster one is
+only averaged in. A step that ran a share of a
 chunk's layers counts as that share of its tokens.
 """
 from __future__ import annotations

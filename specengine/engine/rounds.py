@@ -277,7 +277,7 @@ class RoundRunner:
 
     def _no_drafts(self, rows: int, device) -> Proposal:
         """The proposal of a round without drafts, built once per batch size (nothing writes to
-        it): making its two tensors every round cost ~30 us of a ~6 ms target-only round."""
+        it): not two new tensors a round (measured: bench/results/host-overheads-2026-11-29-to-12-03.md)."""
         key = (rows, str(device))
         if key not in self._empty_proposals:
             self._empty_proposals[key] = Proposal(torch.zeros(rows, 0, dtype=torch.int64, device=device),

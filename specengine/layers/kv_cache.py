@@ -11,8 +11,8 @@ reallocation or a move copies the rows held: each up to its length where its own
 past it (entries_end_at_lengths), else whole. A fixed cache (the persistent cache of CUDA graphs,
 whose addresses a graph keeps) never moves.
 
-A growable cache's memory is not zeroed (zeroing a grown cache is most of a step: 232 ms of a
-323 ms step when a long prompt joined four streams on a 2-core CPU). Positions a row has never
+A growable cache's memory is not zeroed (zeroing a grown cache is most of the step that grows it;
+measured: bench/results/join-stall-2026-12-03.md). Positions a row has never
 written hold whatever the allocator gave, NaN bit patterns included, so no query may let them
 count: a query sees only positions at or before its own, which its row wrote earlier or its call
 writes first. What the attention paths read past those: the C++ op transposes whole blocks of 16
@@ -147,8 +147,9 @@ class StaticKVCache:
         [layers, rows, positions, Hkv, D] (which may be this cache's own: every row is read before
         any is written). On a CPU each row copies only its own count, one slice copy a row when no
         row is read after it was written (rows kept in order, the cache grown): a slice is a
-        contiguous block a layer, several times faster than an indexed gather and its scatter, and
-        a row leaving while a long prompt is staged behind it moves that prompt. Otherwise one
+        contiguous block a layer, faster than an indexed gather and its scatter (measured:
+        bench/results/join-stall-moves-2026-12-03.md), and a row leaving while a long prompt is
+        staged behind it moves that prompt. Otherwise one
         gather a class of rows with equal counts; on an accelerator every row the largest (one
         gather in all: launches cost more there than the stale entries past a row's length)."""
         if k.device.type == "cpu" and self._in_sequence(k, to, rows):

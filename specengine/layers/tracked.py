@@ -1,7 +1,8 @@
 """Layers whose parameter assignments are counted, so that a cache of their parameters can tell
 when one was replaced (LlamaForCausalLM keeps its decoder layers' weights for the whole-layer op:
-gathering them through nn.Module's attribute lookups cost 0.9 ms of the shipped target's 7 ms
-CPU step). Changes to a parameter's data or dtype keep the object and need no count."""
+gathering them through nn.Module's attribute lookups every step is a sizeable share of a CPU step;
+measured: bench/results/host-overheads-2026-11-29-to-12-03.md). Changes to a parameter's data or
+dtype keep the object and need no count."""
 from __future__ import annotations
 
 import torch

@@ -366,9 +366,10 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, T, D] in the compute dtype, a fresh tensor (indexing copies; the
-        whole-layer op updates it in place). Indexed, not through nn.Embedding's module call: 13 us
-        against 34 on a 2-core CPU, where a draft step takes ~0.6 ms. Split by vocabulary, each
-        rank looks up the ids it holds, zeros for the others, and an all-reduce sums them."""
+        whole-layer op updates it in place). Indexed, not through nn.Embedding's module call, whose
+        overhead is a visible share of a small draft's step (measured:
+        bench/results/host-overheads-2026-11-29-to-12-03.md). Split by vocabulary, each rank looks
+        up the ids it holds, zeros for the others, and an all-reduce sums them."""
         if self.stored_matrices:
             return self.model.embed_tokens(tokens).to(self.dtype)
         weight = self.model.embed_tokens.weight
@@ -382,8 +383,9 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
     def rope_at(self, positions: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary cos, sin [B, T, head_dim] at positions [B, T], all below limit. On a CPU they
         are rows of a table of positions 0..n-1 that rope_cos_sin built (grown by doubling as
-        limits grow): computing them every call took ~40 us of a ~0.6 ms draft step there. On
-        a GPU they are computed: a few kernels, and replayed ones under CUDA graphs."""
+        limits grow): computing them every call is a visible share of a small draft's step there
+        (measured: bench/results/host-overheads-2026-11-29-to-12-03.md). On a GPU they are
+        computed: a few kernels, and replayed ones under CUDA graphs."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         if positions.device.type != "cpu":

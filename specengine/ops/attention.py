@@ -10,8 +10,9 @@ key past a query's position, and "reference", which attends over a rectangle, ze
 query of a row sees first (seen_entries).
 
   "cpp"        specengine._C.cached_attention: float32 on a CPU, one call instead of ~10 torch
-               ops that cost 0.5 ms per layer of the shipped models (dispatch, not arithmetic);
-               each query's bits are the same whatever call it comes in (csrc/layers.h)
+               ops whose dispatch, not arithmetic, dominates at the shipped models' sizes
+               (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md); each
+               query's bits are the same whatever call it comes in (csrc/layers.h)
   "triton"     specengine.kernels: rotary and the cache write in one launch, then split-KV
                attention and its merge (three launches; the model's path on CUDA)
   "reference"  torch ops and scaled_dot_product_attention (the oracle; every other device/dtype)
@@ -153,8 +154,8 @@ def cached_attention_reference(q, k, v, cos, sin, positions, cache_k, cache_v, k
     cache_v[rows, slots] = v
     keys, values = seen_entries(cache_k[:B, :kv_len], mask), seen_entries(cache_v[:B, :kv_len], mask)
     # On CUDA, not cuDNN's attention: it builds an execution plan for every new shape, and decoding
-    # changes kv_len every step (on an H200 that made an eager round 8x slower than its
-    # fixed-shape forwards).
+    # changes kv_len every step (bench/results/gpu-h200-2026-11-29.md, "cuDNN attention and
+    # changing shapes").
     with sdpa_kernel(_CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=mask, enable_gqa=k.shape[2] != H)

@@ -22,8 +22,9 @@ import torch
 # id(matrix) -> (weakref to it, its descriptor, out_features), for BlockMatrix objects (frozen:
 # their parts' tensors are theirs for life). The weak reference both drops the entry when the
 # matrix dies and tells a matrix from a later object given the same id. Building a descriptor
-# took 1.6 us for three parts on a 2-core CPU, a lookup 0.15: a small product costs ~10 us.
-# Dense tensors are described afresh each call (0.3 us): a tensor's data can be re-pointed
+# is a noticeable share of a small product's time, a lookup is not (measured: see
+# bench/results/host-overheads-2026-11-29-to-12-03.md). Dense tensors, cheaper to describe, are
+# described afresh each call: a tensor's data can be re-pointed
 # (param.data = ...), a BlockMatrix's cannot.
 _described: dict[int, tuple[weakref.ref, tuple[int, ...], int]] = {}
 _DENSE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # ggml type ids

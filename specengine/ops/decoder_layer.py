@@ -8,7 +8,7 @@ or, for the Llama layer, a GGUF file's blocks as stored (ops.blocks.BlockMatrix)
 The same arithmetic as the model's per-op CPU path (ops.norm, ops.linear, ops.attention), which
 is this op's oracle (tests/test_models.py checks both against transformers). Why one call: the
 shipped models' layers are so small that the Python and torch calls between those ops cost as
-much as the ops (3.7 ms of the target's 9.1 ms step on a 2-core CPU, 1.6 of the draft's 2.3).
+much as the ops (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 """
 from __future__ import annotations
 

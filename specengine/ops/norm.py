@@ -1,8 +1,8 @@
 """Llama RMSNorm: normalise in float32, round to the input dtype, then scale (as transformers).
 
   "cpp"        specengine._C.rms_norm, float32 rows on a CPU: one call instead of a composite
-               op measured at 40-70 us per norm on a 2-core CPU (17 norms per step of the
-               shipped target)
+               op whose dispatch, not its arithmetic, dominates at the shipped models' widths
+               (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md)
   "triton"     specengine.kernels.norm, fused with the residual add (add_rms_norm; the path on CUDA)
   "reference"  weight * F.rms_norm(x) (the oracle, and every other device and dtype)
 """

@@ -33,11 +33,9 @@ from .blocks_cpp import few_row_blocks_cpp, gemm_blocks_cpp
 from .linear import amx_available, gemm_bf16_weight_amx_cpp, linear_bf16_weight_cpp
 
 # From this many tokens per row (x [..., T, K] with T >= it: a prefill) the C++ products are GEMMs.
-# The AMX op (CPUs with AMX, float32-accurate): SmolLM2's prefill of 64-256 tokens took
-# 0.47-0.58x the time of a widened-weight sgemm's, 0.39x at 32 (bench/results/prefill-cpu-2026-12-01.json).
-# gemm_blocks on the 2-core AVX-512 (Zen 5) VM, SmolLM2's Q4_1 gate/up (576 -> 3072) and down
-# (1536 -> 576), few-row op against gemm_blocks: 135/187 and 72/106 us at 8 rows, 306/305 and
-# 211/168 at 24, 392/372 and 271/204 at 32, 745/642 and 520/343 at 64.
+# The AMX op on CPUs with AMX (float32-accurate), else gemm_blocks: they reuse each dequantized
+# panel of weights over many rows, while below it the few-row ops, which stream the weights once
+# for all rows, are as fast or faster (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 # Decided on tokens per row, not rows in all, so that a decoding row takes the same path in a
 # batch of any size (verifications have at most max_gamma + 1 tokens per row; a 2-d x is rows
 # of one token). The prefill's chunk (engine.prefill_budget.CHUNK), the prefix cache's block

@@ -49,8 +49,8 @@ def verify(
     filters=False promises that no row uses top-k, top-p or min-p (SamplingBatch.filters knows
     it from the host's parameters): the Triton kernel then skips their passes, and reads only
     the temperature. The other implementations need no such promise and ignore it."""
-    # Every condition is tested before its message is built: formatting the ~50 messages of a
-    # call cost ~100 us a round on a 2-core CPU, more than the C++ step itself (~30 us).
+    # Every condition is tested before its message is built: formatting the ~50 messages on every
+    # call costs more than the C++ step itself (measured: see bench/results/host-overheads-2026-11-29-to-12-03.md).
     if impl not in IMPLEMENTATIONS:
         _fail(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
     if target_logits.dim() != 3:
@@ -165,8 +165,8 @@ _HOST_ZEROS = torch.zeros(64, dtype=torch.int64)  # read-only (see _sample_warpe
 
 def _sample_warped_cpp(logits, temperature, top_k, top_p, min_p, u) -> torch.Tensor:
     """sample_warped on the C++ verify step, called with G = 0 and without building a round's
-    tensors: building them took ~70 of the ~100 us a draft step's sampling cost on a 2-core CPU
-    (vocabulary 8192), against ~10 us in the kernel. The kernel only reads num_drafts, seeds
+    tensors: building them would cost several times the kernel's own work (measured: see
+    bench/results/host-overheads-2026-11-29-to-12-03.md). The kernel only reads num_drafts, seeds
     and positions (zeros here, shared) and writes nothing but emitted and its count."""
     from .. import _C
 
