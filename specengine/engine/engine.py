@@ -242,9 +242,8 @@ class Engine:
         hold) that are not measured yet are measured now, before it is made and outside a round,
         whose timing would teach the controller a measurement as its overhead."""
         rows = self.scheduler.rows_to_hold()
-        controller = self.gamma_controller if rows is not None else None
-        if controller is not None:
-            controller.costs_by_batch.cover(rows)
+        if rows is not None and self.gamma_controller is not None:
+            self.gamma_controller.costs_by_batch.cover(rows)
 
     def _apply(self, plan: StepPlan, outcome: StepOutcome) -> InvalidLogitsError | None:
         """What each row emitted, applied to its request; what the step took, to the scheduler. A

@@ -75,8 +75,8 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class RowRelease:
-    """Rows to free, as the scheduler decided (Scheduler.release, Scheduler.fail), for the model
-    runner to drop (engine.runner.ModelRunner.release)."""
+    """Rows to free, as the scheduler decided (Scheduler.release, abort, fail, rows_broken), for the
+    model runner to drop (engine.runner.ModelRunner.release)."""
     prefilling: tuple[Prefilling, ...] = ()  # staged rows whose requests ended
     keep: tuple[int, ...] | None = None      # the decoding rows kept, in order (None: every one)
     all_prefilling: bool = False             # every staged row (their prefill failed)
@@ -153,7 +153,7 @@ class Scheduler:
     def _admissible(self) -> int:
         """How many waiting requests the next step admits: as many as rows are free."""
         free = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - self.batch.rows_held
-        return min(free, len(self.waiting))
+        return max(0, min(free, len(self.waiting)))
 
     def rows_to_hold(self) -> int | None:
         """The rows the next step's plan holds once it has admitted, when it prefills (then it
