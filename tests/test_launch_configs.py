@@ -5,8 +5,8 @@ or third dimension over 65535, a block that is not a power of two or holds more 
 elements. Here the host wrappers run on meta tensors (nothing is computed, nothing allocated)
 with each kernel's launch recorded instead of run, for the shapes the engine produces: the model
 architectures' head sizes and groups, batches up to 256, steps of 1 to 65 tokens (verifications
-up to MAX_GAMMA + 1 = 31) and prompts up to the context, the verify kernel's rounds over vocabularies up to 256k, and the
-products and lookups of GGUF matrices as stored (kernels/blocks.py) in every weight type.
+up to MAX_GAMMA + 1 = 31) and prompts up to the context, the verify kernel's rounds over
+vocabularies up to 256k, and the products and lookups of GGUF matrices as stored (kernels/blocks.py) in every weight type.
 """
 import inspect
 import re

@@ -183,7 +183,8 @@ class MovelessBatch:
     """A batch whose row moves fail: the scheduler must decide, never move."""
 
     def __init__(self, requests, prefilling):
-        self.requests, self.prefilling, self.pending, self.rows_held = requests, prefilling, None, len(requests + prefilling)
+        self.requests, self.prefilling, self.pending = requests, prefilling, None
+        self.rows_held = len(requests) + len(prefilling)
 
     def _moved(self, *args):
         raise AssertionError("the scheduler moved rows: the model runner's job")
