@@ -71,9 +71,8 @@ void verify_py(uintptr_t target_logits, uintptr_t draft_logits, int dtype, int64
                int64_t draft_stride_g, uintptr_t draft_tokens, uintptr_t num_drafts, uintptr_t temperature,
                uintptr_t top_k, uintptr_t top_p, uintptr_t min_p, uintptr_t seeds, uintptr_t positions,
                uintptr_t u_accept, uintptr_t u_sample, uintptr_t emitted, uintptr_t num_emitted,
-               uintptr_t target_lengths, uintptr_t draft_lengths, int planted_bug) {
+               uintptr_t target_lengths, uintptr_t draft_lengths) {
   if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype code must be 0, 1 or 2");
-  if (planted_bug < 0 || planted_bug > 3) throw std::invalid_argument("planted_bug must be 0..3");
   specengine::VerifyArgs args{
       ptr<const void>(target_logits), ptr<const void>(draft_logits),
       static_cast<specengine::LogitDtype>(dtype), B, G, V, target_stride_b, target_stride_g,
@@ -81,8 +80,7 @@ void verify_py(uintptr_t target_logits, uintptr_t draft_logits, int dtype, int64
       ptr<const float>(temperature), ptr<const int64_t>(top_k), ptr<const float>(top_p),
       ptr<const float>(min_p), ptr<const int64_t>(seeds), ptr<const int64_t>(positions),
       ptr<const float>(u_accept), ptr<const float>(u_sample), ptr<int64_t>(emitted),
-      ptr<int64_t>(num_emitted), ptr<int64_t>(target_lengths), ptr<int64_t>(draft_lengths),
-      static_cast<specengine::PlantedBug>(planted_bug)};
+      ptr<int64_t>(num_emitted), ptr<int64_t>(target_lengths), ptr<int64_t>(draft_lengths)};
   py::gil_scoped_release release;
   specengine::verify_cpu(args);
 }
@@ -320,7 +318,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("draft_stride_g"), py::arg("draft_tokens"), py::arg("num_drafts"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("seeds"), py::arg("positions"),
         py::arg("u_accept"), py::arg("u_sample"), py::arg("emitted"), py::arg("num_emitted"),
-        py::arg("target_lengths"), py::arg("draft_lengths"), py::arg("planted_bug") = 0);
+        py::arg("target_lengths"), py::arg("draft_lengths"));
   m.def("linear_bf16_weight", &linear_bf16_weight_py,
         "out [R, N] = x [R, K] float32 @ weight [N, K] bfloat16 ^T + bias (use specengine.ops.linear).",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("R"), py::arg("K"), py::arg("N"));

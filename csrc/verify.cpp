@@ -214,7 +214,7 @@ void build_warp(Warp& w, const void* base, LogitDtype dtype, int64_t offset, int
 // Inverse-CDF sample of an unnormalised distribution given by mass(v) (as sample_from_probs):
 // the first index whose cumulative mass exceeds u * total, never a zero-mass index.
 template <typename Mass>
-int64_t sample(int64_t V, float u, Mass mass, bool renormalise = true) {
+int64_t sample(int64_t V, float u, Mass mass) {
   double total = 0.0;
   int64_t last_positive = 0;
   for (int64_t v = 0; v < V; ++v) {
@@ -222,7 +222,7 @@ int64_t sample(int64_t V, float u, Mass mass, bool renormalise = true) {
     total += m;
     if (m > 0.f) last_positive = v;
   }
-  const float threshold = renormalise ? u * static_cast<float>(total) : u;
+  const float threshold = u * static_cast<float>(total);
   double cdf = 0.0;
   for (int64_t v = 0; v < V; ++v) {
     cdf += mass(v);
@@ -265,16 +265,14 @@ void verify_row(const VerifyArgs& a, int64_t b, Warp& p, Warp& q, std::vector<fl
   int64_t token;
   if (n < drafts) {  // rejected: p and q of position n are warped already
     const int64_t x = tokens[n];
-    if (a.planted_bug == PlantedBug::kReusedUniform) u = uniform(a.u_accept, n, kStreamAccept);
-    if (a.planted_bug == PlantedBug::kWrongRow) warp_target(n + 1);
     auto q_prob = [&](int64_t v) { return a.draft_logits ? q.prob(v) : (v == x ? 1.f : 0.f); };
     auto residual = [&](int64_t v) { return std::max(0.f, p.prob(v) - q_prob(v)); };
-    if (p.greedy && a.planted_bug == PlantedBug::kNone) {
+    if (p.greedy) {
       token = p.argmax;  // p is one-hot on its argmax and x was not it: the residual is that one-hot
     } else {
       double mass = 0.0;
       for (int64_t v = 0; v < V; ++v) mass += residual(v);
-      token = mass > 0.0 ? sample(V, u, residual, a.planted_bug != PlantedBug::kNoRenormalisation)
+      token = mass > 0.0 ? sample(V, u, residual)
                          : sample(V, u, [&](int64_t v) { return p.prob(v); });
     }
   } else {

@@ -8,7 +8,6 @@ enum class LogitDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 // Deliberate mistakes the statistical tests must catch (never set outside tests):
 // the accept test's uniform reused for the residual sample; the residual taken with p of
 // the next row (position); the residual sampled without renormalising it.
-enum class PlantedBug : int { kNone = 0, kReusedUniform = 1, kWrongRow = 2, kNoRenormalisation = 3 };
 
 // Arguments of the fused verify step. Pointers are to CPU memory; the Python host wrapper
 // (specengine/ops/verify.py) validates shapes, dtypes, strides and devices and allocates outputs.
@@ -32,7 +31,6 @@ struct VerifyArgs {
   int64_t* num_emitted;         // [B] out
   int64_t* target_lengths;      // [B] in/out (+= num_emitted), or nullptr
   int64_t* draft_lengths;       // [B] in/out (= min(itself, new target length)), or nullptr
-  PlantedBug planted_bug = PlantedBug::kNone;  // tests only: prove the statistical tests have power
 };
 
 void verify_cpu(const VerifyArgs& args);

@@ -29,13 +29,13 @@ Terms used throughout:
 The launches (host side: specengine.ops.blocks_triton allocates and launches, one launch per part
 into the part's range of output columns, a matrix on a GPU holding each run of consecutive parts of
 one type as one part (layers.blocks); plan() below picks the tiles):
-  _gemv_kernel    (n tiles, splits)  fewer than GEMM_TOKENS tokens per sequence row (x [..., T, K]
-                  with T < 32, or a 2-d x: rows of one token; a decode or verification step), any
+  _gemv_kernel    (n tiles, splits)  a call the host does not size as a GEMM (ops.product.gemm_sized:
+                  few tokens per sequence row; a decode or verification step), any
                   number R of activation rows: each program loops over row tiles of BLOCK_R rows,
                   dequantizing each group of its BLOCK_N weight rows once per row tile, keeping
                   [BLOCK_R, BLOCK_N, 32] float32 partial products (explicit FMAs), summed over its K
                   range at the end by a fixed pairwise tree.
-  _gemm_kernel    (r tiles * n tiles, 1)  from GEMM_TOKENS tokens per row on (a prompt): the
+  _gemm_kernel    (r tiles * n tiles, 1)  a call the host sizes as a GEMM (a prompt): the
                   dequantized group as the K = 32 slice of a float32 dot ("ieee": no TF32) with the
                   activations' [BLOCK_R, 32] tile; K is never split.
   _combine_kernel (R, n blocks)      with splits > 1: the splits' partial sums added in split
@@ -101,7 +101,6 @@ def _layout(type_id, field):
 
 
 GROUP = tl.constexpr(32)  # weights per dequantized group (the K slice of one step)
-GEMM_TOKENS = 32         # tokens per row from which _gemm_kernel runs (ops.product.GEMM_MIN_TOKENS_PER_ROW, the CPU's)
 GEMV_BLOCK_R = 8         # _gemv_kernel's row tile: R rounded up to a power of two, at most this (1, 2, 4, 8)
 GEMV_BLOCK_N = 32        # weight rows per _gemv_kernel program (8 weights of a group per thread) ...
 GEMV_TILE = 128          # ... with BLOCK_R * BLOCK_N at most this (BLOCK_R 8: 16 rows): 80-150 registers
@@ -379,18 +378,16 @@ def _rows_kernel(
 
 # ---- launch plans ---------------------------------------------------------------------------------
 
-def plan(R: int, N: int, K: int, tokens_per_row: int | None = None, matrix_rows: int | None = None) -> dict:
-    """The launch of one part's product, R activation rows by N weight rows of K weights, the rows
-    being sequences' tokens, tokens_per_row of each (x [..., T, K]: T; a 2-d x: 1; None: R, one
-    sequence), the part being rows of a matrix of matrix_rows rows (None: N, the part is the
-    matrix): kernel ("gemv" or "gemm"), BLOCK_R, BLOCK_N, num_warps, splits of K,
-    groups_per_split, grid. The kernel follows tokens_per_row and the split (matrix_rows, K)
-    alone, so a row's result depends neither on R nor on the part it lies in (see the module
-    docstring)."""
-    T = R if tokens_per_row is None else tokens_per_row
+def plan(R: int, N: int, K: int, gemm: bool, matrix_rows: int | None = None) -> dict:
+    """The launch of one part's product, R activation rows by N weight rows of K weights, as a
+    GEMM or not (the caller's decision, by tokens per row), the part being rows of a matrix of
+    matrix_rows rows (None: N, the part is the matrix): kernel ("gemv" or "gemm"), BLOCK_R,
+    BLOCK_N, num_warps, splits of K, groups_per_split, grid. The kernel follows gemm and the split
+    (matrix_rows, K) alone, so a row's result depends neither on R nor on the part it lies in (see
+    the module docstring)."""
     M = N if matrix_rows is None else matrix_rows
     groups = triton.cdiv(K, GROUP.value)
-    if T < GEMM_TOKENS:
+    if not gemm:
         kernel, block_r, warps = "gemv", min(triton.next_power_of_2(max(R, 1)), GEMV_BLOCK_R), NUM_WARPS
         block_n = min(GEMV_BLOCK_N, GEMV_TILE // block_r)
         splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(M, SPLIT_BLOCK_N)), groups // MIN_SPLIT_GROUPS))

@@ -674,7 +674,7 @@ def verify_triton(target_logits, draft_logits, draft_tokens, num_drafts, tempera
     # A tile's loops step by `block` entries and the one-hot histogram by `chunk`: small on a GPU
     # (registers); in the interpreter, whose cost is per operation rather than per element, a whole
     # tile a step.
-    tile, block, chunk = (TILE, 1024, 32) if device.type == "cuda" else (TILE, TILE, 512)
+    block, chunk = (1024, 32) if device.type == "cuda" else (TILE, 512)
     levels = _levels(target_logits.dtype)
 
     f32 = dict(dtype=torch.float32, device=device)
@@ -704,9 +704,9 @@ def verify_triton(target_logits, draft_logits, draft_tokens, num_drafts, tempera
     shape = (B, G, V, T)
     strides = (target_logits.stride(0), target_logits.stride(1), draft.stride(0), draft.stride(1), int(filters))
     stats = (tile_max, tile_arg, tile_z, tile_zk)
-    sizes = dict(TILE=tile, TILES=TILES_PER_LOAD, NUM_BINS=NUM_BINS)
+    sizes = dict(TILE=TILE, TILES=TILES_PER_LOAD, NUM_BINS=NUM_BINS)
     _stats_kernel[(R, T)](*rows, *params, tile_max, tile_arg, tile_z, hist_counts, *shape, *strides,
-                          TILE=tile, BLOCK=block, NUM_BINS=NUM_BINS)
+                          TILE=TILE, BLOCK=block, NUM_BINS=NUM_BINS)
     if filters:
         for level in range(1, levels):
             _top_k_kernel[(R, T)](*rows, *params, top_k_state, hist_counts, *shape, level, *strides, LEVELS=levels,
@@ -725,9 +725,9 @@ def verify_triton(target_logits, draft_logits, draft_tokens, num_drafts, tempera
         *rows, tokens, num_drafts, *params, seeds, positions, u_accept if u_accept is not None else dummy, *warp,
         decided, tile_mass, emitted, counts, target_lengths if target_lengths is not None else dummy,
         draft_lengths if draft_lengths is not None else dummy, *shape, *strides, **flags,
-        HAS_TARGET_LEN=target_lengths is not None, HAS_DRAFT_LEN=draft_lengths is not None, TILE=tile, BLOCK=block,
+        HAS_TARGET_LEN=target_lengths is not None, HAS_DRAFT_LEN=draft_lengths is not None, TILE=TILE, BLOCK=block,
         TILES=TILES_PER_LOAD)
     _sample_kernel[(B,)](
         *rows, tokens, num_drafts, *params, seeds, positions, u_sample if u_sample is not None else dummy, *warp,
-        decided, tile_mass, emitted, *shape, *strides, **flags, TILE=tile, BLOCK=block, TILES=TILES_PER_LOAD)
+        decided, tile_mass, emitted, *shape, *strides, **flags, TILE=TILE, BLOCK=block, TILES=TILES_PER_LOAD)
     return emitted, counts

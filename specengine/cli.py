@@ -17,6 +17,7 @@ import os
 import sys
 import warnings
 
+from .engine.prefill_budget import CHUNK
 from .sampling.params import SamplingParams
 from .server.limits import ServerLimits
 from .shipped import default_pair
@@ -158,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-seq-len", type=int, help="context per request (default: the model's)")
     serve.add_argument("--prefill-chunk-tokens", type=_auto_or_count, default="auto", metavar="N|auto",
                        help="prompt tokens prefilled per step while other requests decode: 'auto' (default: about "
-                            "a round's time of prefill, measured as it runs), a multiple of 32, or 0 (each prompt "
-                            "whole in the step it joins)")
+                            f"a round's time of prefill, measured as it runs), a multiple of {CHUNK}, or 0 (each "
+                            "prompt whole in the step it joins)")
     serve.add_argument("--prefix-cache-mib", type=_auto_or_count, default="auto", metavar="N|auto",
                        help="memory for the prefix cache, the keys and values of prompts' blocks kept for later "
                             "requests that start alike ('auto', default: 512 MiB on a CPU, a tenth of a GPU's "
@@ -294,8 +295,8 @@ def serve(args) -> int:
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
     chunk, cache = args.prefill_chunk_tokens, args.prefix_cache_mib
-    if chunk != "auto" and (chunk < 0 or chunk % 32):
-        raise ValueError(f"--prefill-chunk-tokens must be 'auto', 0 or a positive multiple of 32, got {chunk}")
+    if chunk != "auto" and (chunk < 0 or chunk % CHUNK):
+        raise ValueError(f"--prefill-chunk-tokens must be 'auto', 0 or a positive multiple of {CHUNK}, got {chunk}")
     if cache != "auto" and cache < 0:
         raise ValueError(f"--prefix-cache-mib must be 'auto' or a number of MiB >= 0, got {cache}")
     _check_drafter_options(args)

@@ -102,7 +102,7 @@ def variants():
         for name in kernels:
             fn = getattr(verify, name)
             yield "verify", name, logits, {k: v for k, v in values.items() if k in fn.arg_names}
-    yield "philox", "_uniforms_kernel", "*fp32", dict(stream=0, BLOCK=128)  # up to max_gamma + 1 = 65 uniforms
+    yield "philox", "_uniforms_kernel", "*fp32", dict(stream=0, BLOCK=128)  # up to MAX_GAMMA + 1 = 31 uniforms
     # The decode step's kernels, in bfloat16 (the GPU's compute dtype) and float32 (exact dots).
     for dtype, dot_fp32 in (("*bf16", False), ("*fp32", True)):
         rows = attention.MAX_Q_ROWS_FP32 if dot_fp32 else attention.MAX_Q_ROWS
@@ -122,8 +122,8 @@ def variants():
     # inline-PTX dequantization).
     pointers = {blocks.F32.value: "*fp32", blocks.F16.value: "*fp16", blocks.BF16.value: "*i16"}
     tilings = {}
-    for R in range(1, 2 * blocks.GEMM_BLOCK_R + 2):
-        p = blocks.plan(R, 4096, 4096)
+    for R, gemm in [(R, gemm) for R in range(1, 2 * blocks.GEMM_BLOCK_R + 2) for gemm in (False, True)]:
+        p = blocks.plan(R, 4096, 4096, gemm)
         tilings[p["kernel"], p["BLOCK_R"]] = dict(BLOCK_R=p["BLOCK_R"], BLOCK_N=p["BLOCK_N"], num_warps=p["num_warps"])
     for weight_type in blocks.LAYOUT:
         w = pointers.get(weight_type, "*u8")

@@ -27,6 +27,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from specengine.kernels import blocks as kernels  # noqa: E402
+from specengine.ops.product import gemm_sized  # noqa: E402
 from specengine.ops.blocks import (BLOCK_LAYOUT, FLOAT_TYPES, LAYOUTS, BlockMatrix, MatrixPart, WeightType,  # noqa: E402
                                    dequantize_reference, embedding_rows, linear_blocks)
 
@@ -131,25 +132,34 @@ def test_products_on_hostile_shapes(weight_type):
         got = linear_blocks(x, matrix, bias, impl="triton")
         assert got.shape == (*x.shape[:-1], N)
         assert_within_product_bound(got, x, dequantize_reference(matrix), bias)
-        plan = kernels.plan(R, N, K, tokens)
+        plan = kernels.plan(R, N, K, gemm_sized(tokens))
         plans.add((plan["kernel"], plan["BLOCK_R"], plan["splits"] > 1))
     assert {p[:2] for p in plans} == {("gemv", 1), ("gemv", 2), ("gemv", 4), ("gemv", 8), ("gemm", 64)}
     assert any(split for *_, split in plans)  # some K was split (and combined)
 
 
-def test_the_kernel_follows_tokens_per_row_and_the_split_the_matrix():
-    """As on the CPU path (ops.product.GEMM_MIN_TOKENS_PER_ROW): fewer than 32 tokens per row run the
-    decode kernel whatever the number of rows, a 2-d x counting as rows of one token; and the split of K
-    depends on the matrix's shape only."""
-    from specengine.ops.product import GEMM_MIN_TOKENS_PER_ROW
+@pytest.mark.parametrize("shape", [(40, 64), (1, 31, 64), (2, 31, 64), (1, 32, 64), (3, 33, 64)])
+def test_the_kernel_follows_the_products_gemm_decision(shape, monkeypatch):
+    """The Triton product runs the GEMM kernel exactly where the C++ path runs GEMMs
+    (ops.product.gemm_sized: by tokens per row, a 2-d x counting as rows of one token), whatever
+    the number of rows."""
+    matrix = matrix_of(random_part(T.Q8_0, 5, shape[-1], seed=3))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    launches = count_launches(monkeypatch)
+    linear_blocks(x, matrix, None, impl="triton")
+    gemm = gemm_sized(shape[-2] if len(shape) == 3 else 1)
+    assert gemm == (len(shape) == 3 and shape[1] >= 32)
+    assert (launches["_gemm_kernel"], launches["_gemv_kernel"]) == ((1, 0) if gemm else (0, 1))
 
-    assert kernels.GEMM_TOKENS == GEMM_MIN_TOKENS_PER_ROW
+
+def test_the_split_follows_the_matrix():
+    """The split of K depends on the matrix's shape only: never on the number of rows."""
     for N, K in [(576, 576), (3072, 2048), (2048, 5632), (49152, 2048), (7, 32)]:
-        decode = [kernels.plan(R, N, K, T) for R, T in [(1, 1), (5, 1), (9, 1), (40, 5), (8 * 65, 31), (4096, 1)]]
+        decode = [kernels.plan(R, N, K, False) for R in (1, 5, 9, 40, 8 * 65, 4096)]
         assert {p["kernel"] for p in decode} == {"gemv"}
         assert len({(p["splits"], p["groups_per_split"]) for p in decode}) == 1, (N, K)
         assert {p["grid"][1] for p in decode} == {decode[0]["splits"]}
-        prompts = [kernels.plan(R, N, K, T) for R, T in [(32, 32), (64, 32), (4096, 512), (65 * 3, 65)]]
+        prompts = [kernels.plan(R, N, K, True) for R in (32, 64, 4096, 65 * 3)]
         assert {(p["kernel"], p["splits"]) for p in prompts} == {("gemm", 1)}
 
 
@@ -171,7 +181,7 @@ def test_a_row_gets_the_same_bits_in_any_batch(weight_type):
     g = torch.Generator().manual_seed(int(weight_type))
     bias = torch.randn(N + 3, generator=g).to(DEVICE)
     x = torch.randn(40, K, generator=g).to(DEVICE)
-    assert kernels.plan(1, N, K, 1)["splits"] > 1 and kernels.plan(40, N, K, 1)["BLOCK_R"] == 8
+    assert kernels.plan(1, N, K, False)["splits"] > 1 and kernels.plan(40, N, K, False)["BLOCK_R"] == 8
     rows = [0, 8, 39]  # the first row of the first and second row tiles, the last row of a batch
     alone = torch.cat([linear_blocks(x[i:i + 1], matrix, bias, impl="triton") for i in rows])
     assert_within_product_bound(alone, x[rows], dequantize_reference(matrix), bias)

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from specengine import _C
-from specengine.drafters.ngram import ngram_propose_reference
 from specengine.sampling.rng import philox4x32, uniforms, uniforms_reference
 
 
@@ -60,6 +59,18 @@ def test_uniforms_are_uniform_and_streams_differ():
     chi2 = ((counts - expected) ** 2 / expected).sum()
     assert chi2 < 27.9  # chi-square, 9 degrees of freedom, p = 0.001
     assert abs(torch.corrcoef(torch.stack([u0.flatten(), u1.flatten()]))[0, 1]) < 0.02
+
+
+# The oracle of specengine._C.ngram_propose.
+def ngram_propose_reference(tokens: list[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
+    """Tokens that followed the most recent earlier occurrence of the longest re-occurring suffix."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + max_drafts]
+    return []
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -44,14 +44,15 @@ class Block(NamedTuple):
 def block_spy(monkeypatch):
     """Records every block the engine runs from device state."""
     blocks = []
-    real = RoundRunner._block
+    real = RoundRunner.run
 
-    def spy(runner, sampling, sequences, gamma, rounds):
-        results = real(runner, sampling, sequences, gamma, rounds)
-        blocks.append(Block(rounds, [len(s) for s in sequences],
-                            [len(s) + len(r.tokens) for s, r in zip(sequences, results)]))
-        return results
-    monkeypatch.setattr(RoundRunner, "_block", spy)
+    def spy(runner, batch, gamma, rounds_per_read):
+        starts = [len(r.tokens) for r in batch.requests]
+        results, made = real(runner, batch, gamma, rounds_per_read)
+        if results[0].rounds > 1:  # a block (one round: a host round)
+            blocks.append(Block(results[0].rounds, starts, [n + len(r.tokens) for n, r in zip(starts, results)]))
+        return results, made
+    monkeypatch.setattr(RoundRunner, "run", spy)
     return blocks
 
 
@@ -145,7 +146,7 @@ def test_broken_logits_inside_a_block_are_named_and_nothing_is_kept():
     target, draft = models()
     with torch.no_grad():
         draft.lm_head.weight[3, 0] = float("nan")
-    with pytest.raises(InvalidLogitsError, match="draft logits had NaN or infinite entries within a block"):
+    with pytest.raises(InvalidLogitsError, match=r"draft logits contain NaN or infinite entries \(round 1 of 4 read "):
         engine(target, draft, 4).generate(PROMPTS[:1], PARAMS[:1])
 
 
@@ -173,8 +174,8 @@ def test_a_row_whose_logits_break_inside_a_block_ends_alone(monkeypatch):
                     ends[output.request_id] = (output.finish_reason, output.message)
         except InvalidLogitsError as exc:
             errors.append(str(exc))
-    assert errors == ["draft logits had NaN or infinite entries within a block of 4 rounds; nothing of the block "
-                      "was kept"]
+    assert errors == ["draft logits contain NaN or infinite entries (round 1 of 4 read together); nothing of those "
+                      "rounds was kept"]
     (broken,) = [i for i in ids if ends[i][0] == "abort"]
     assert errors[0] in ends[broken][1] and tokens[broken] == []
     (kept,) = [n for n, i in enumerate(ids) if i != broken]
@@ -273,3 +274,25 @@ def test_auto_gamma_drafts_from_device_state_only_once_the_draft_cache_has_caugh
     assert result.stats.drafted > 0 and result.stats.accepted == result.stats.drafted
     assert result.token_ids == Engine(target).generate([PROMPTS[0]], SamplingParams(max_new_tokens=40,
                                                                                      temperature=0.0))[0].token_ids
+
+
+@pytest.mark.parametrize("rounds_per_read", [1, 4])
+def test_after_every_read_the_drafter_knows_its_cache_exactly(rounds_per_read, block_spy):
+    """Host rounds and blocks end alike: the drafter's hook after the read (Drafter.verified, told
+    where each row's last round started and where it ended) leaves its host lengths equal to the
+    draft cache's, rejected drafts clipped, through blocks and rounds at gamma 0 alike."""
+    target, draft = models()
+    blocks = engine(target, draft, rounds_per_read)
+    gammas = iter([3, 3, 0, 3, 0, 0, 3, 3, 3, 0] * 20)
+    blocks.scheduler.choose_gamma = lambda decoding: next(gammas)
+    for p, s in zip(PROMPTS, PARAMS):
+        blocks.add_request(p, s)
+    checked = 0
+    while blocks.has_unfinished_requests():
+        blocks.step()
+        drafter = blocks.drafter
+        if blocks.scheduler.decoding:
+            held = drafter.cache.lengths[:len(drafter.fed)].tolist()
+            assert drafter.fed == held
+            checked += 1
+    assert checked > 10 and (rounds_per_read == 1) == (not block_spy)

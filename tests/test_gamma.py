@@ -8,6 +8,7 @@ import torch
 from specengine import Engine, SamplingParams
 from specengine.drafters.model import ModelDrafter
 from specengine.engine import costs as costs_module
+from specengine.engine.config import MAX_GAMMA, EngineConfig
 from specengine.engine.costs import measure_costs, timed_widths
 from specengine.engine.gamma import (AcceptanceEstimate, CostModel, GammaController, expected_ops_ratio,
                                      expected_tokens, predicted_speedup)
@@ -471,10 +472,22 @@ def test_costs_between_measured_batch_sizes_are_interpolated():
 
 def test_invalid_gamma():
     target = tiny_model(32, seed=0)
-    with pytest.raises(ValueError, match="gamma must be an integer in \\[1, 64\\] or 'auto'"):
+    with pytest.raises(ValueError, match=f"gamma must be an integer in \\[1, {MAX_GAMMA}\\]"):
         Engine(target, drafter=ModelDrafter(target, 32, 32), gamma="fast")
     with pytest.raises(ValueError, match="costs cover gamma up to 2"):
         Engine(target, drafter=ModelDrafter(target, 32, 32), gamma="auto", costs=CostModel(0.1, (1.0, 1.0, 1.0)))
+
+
+def test_gamma_is_capped_below_the_gemm_threshold():
+    """A verification (gamma + 1 tokens per row) takes the decode path at every allowed gamma, so
+    its logits are target-only decoding's bits; one more draft would take the GEMM path."""
+    from specengine.ops.product import gemm_sized
+
+    assert not gemm_sized(MAX_GAMMA + 1) and gemm_sized(MAX_GAMMA + 2)
+    assert EngineConfig(gamma=MAX_GAMMA, max_gamma=MAX_GAMMA).gamma == MAX_GAMMA
+    for name in ("gamma", "max_gamma"):
+        with pytest.raises(ValueError, match=f"{name} must be an integer in \\[1, {MAX_GAMMA}\\] \\(MAX_GAMMA"):
+            EngineConfig(**{name: MAX_GAMMA + 1})
 
 
 def test_round_overhead_is_learned_and_favours_longer_rounds():

@@ -188,7 +188,7 @@ def test_drafter_catch_up_after_a_rejection_then_rounds_without_drafts(static_st
         drafts = drafter.propose([[1, 2, 3]], [3], sampling).tokens[0].tolist()
         rejected = (drafts[0] + 1) % V
         drafter.cache.lengths.clamp_(max=3)  # verification: the target emitted one token, not drafts[0]
-        drafter.verified([4])                 # the engine says so after the round
+        drafter.verified([3], 3, [4])         # the engine says so after the round
         sequence = [1, 2, 3, rejected, 5, 6]  # two target-only rounds later
         proposal = drafter.propose([sequence], [2], sampling)
         fresh = model.new_cache(1, 32)

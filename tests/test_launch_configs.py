@@ -4,9 +4,9 @@ The interpreter runs launches that a GPU refuses: a tl.dot with a side under 16,
 or third dimension over 65535, a block that is not a power of two or holds more than 2^20
 elements. Here the host wrappers run on meta tensors (nothing is computed, nothing allocated)
 with each kernel's launch recorded instead of run, for the shapes the engine produces: the model
-architectures' head sizes and groups, batches up to 256, steps of 1 to max_gamma + 1 = 65 tokens
-and prompts up to the context, the verify kernel's rounds over vocabularies up to 256k, and the
-products and lookups of GGUF matrices as stored (kernels/blocks.py) in every weight type.
+architectures' head sizes and groups, batches up to 256, steps of 1 to 65 tokens (verifications
+up to MAX_GAMMA + 1 = 31) and prompts up to the context, the verify kernel's rounds over
+vocabularies up to 256k, and the products and lookups of GGUF matrices as stored (kernels/blocks.py) in every weight type.
 """
 import inspect
 import re
@@ -66,7 +66,7 @@ ARCHITECTURES = {
     "mistral-7b": (4096, 14336, 32, 8, 128, 32768, 4096, False),
 }
 BATCHES = (1, 3, 64, 256)
-STEP_TOKENS = (1, 2, 3, 5, 9, 17, 33, 65)  # a draft step, verifications up to max_gamma + 1 = 65
+STEP_TOKENS = (1, 2, 3, 5, 9, 17, 33, 65)  # a draft step, verifications up to MAX_GAMMA + 1 = 31, short prompts
 
 
 def launches_of(run):

@@ -12,7 +12,7 @@ from specengine import SamplingParams
 from specengine.engine.batch import PrefillChunk, Prefilling
 from specengine.engine.prefill_budget import PrefillBudget, PrefillShare
 from specengine.engine.request import DecodeStats, Request
-from specengine.engine.scheduler import Admission, Scheduler, StepPlan
+from specengine.engine.scheduler import Admission, RowRelease, Scheduler, StepPlan
 
 from engine_util import make_engine
 
@@ -177,3 +177,64 @@ def test_a_step_whose_planning_fails_ends_the_requests_it_admitted_and_keeps_ser
     assert engine.num_waiting == 0 and engine.num_running == 0
     assert [t for out in outputs["runs"] for t in out.new_token_ids] == want[1:]  # its first came before
     assert engine.generate([prompt(70, seed=1)], GREEDY6)[0].token_ids == want
+
+
+class MovelessBatch:
+    """A batch whose row moves fail: the scheduler must decide, never move."""
+
+    def __init__(self, requests, prefilling):
+        self.requests, self.prefilling, self.pending = requests, prefilling, None
+        self.rows_held = len(requests) + len(prefilling)
+
+    def _moved(self, *args):
+        raise AssertionError("the scheduler moved rows: the model runner's job")
+
+    keep = drop_prefilling = drop_all_prefilling = clear = promote = _moved
+
+
+def test_the_scheduler_decides_the_rows_to_free_and_moves_none():
+    """release, abort, fail and rows_broken return the rows to free (RowRelease) for the model
+    runner to drop; they end the requests the decision concerns."""
+    running = [request([1, 2], str(i)) for i in range(3)]
+    staged = [Prefilling(request([3, 4, 5], f"s{i}"), [3, 4], 2) for i in range(2)]
+    batch = MovelessBatch(running, staged)
+    scheduler = Scheduler(batch, None, PrefillBudget(None), None, None, 2, False, 1024, 1, 0, lambda: None)
+    scheduler.add(running + [j.request for j in staged])
+    scheduler.waiting.clear()
+    assert scheduler.release() == RowRelease()
+    running[1].finish_reason, staged[0].request.finish_reason = "stop", "stop"
+    assert scheduler.release(report=True) == RowRelease((staged[0],), (0, 2))
+    assert [r.request_id for r in scheduler.take_ended()] == ["1"]
+    # Nothing carried the release out here: the rows of the requests that ended are still held.
+    assert scheduler.abort("0") == RowRelease((staged[0],), (2,)) and running[0].finish_reason == "abort"
+    assert scheduler.abort("nobody") is None
+    assert scheduler.rows_broken("prefilling", RuntimeError("x")) == RowRelease(all_prefilling=True)
+    assert staged[1].request.finish_reason == "abort" and running[2].finish_reason is None
+    assert scheduler.rows_broken("running", RuntimeError("device lost")) == RowRelease(all_rows=True)
+    assert "device lost" in running[2].message
+
+
+def test_planning_measures_nothing(models):
+    """The step costs a plan prices are measured before the scheduler plans (Engine._cover_costs,
+    up to rows_to_hold's batch size), never by the scheduler."""
+    engine = make_engine(models, "model", gamma="auto", max_gamma=3)
+    covered, controller = [], engine.gamma_controller
+    cover = controller.costs_by_batch.cover
+    controller.costs_by_batch.cover = lambda rows: (covered.append(rows), cover(rows))
+    for i in range(3):
+        engine.add_request(prompt(10, seed=i), SamplingParams(max_new_tokens=3))
+    assert engine.scheduler.rows_to_hold() == 3
+    schedule = engine.scheduler.schedule
+
+    def planning():
+        before = list(covered)
+        plan = schedule()
+        assert covered == before, "the scheduler measured costs"
+        return plan
+
+    engine.scheduler.schedule = planning
+    engine.step()
+    assert covered == [3]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.rows_to_hold() is None

@@ -249,23 +249,50 @@ def test_triton_does_not_recompile_for_new_round_sizes():
     assert all(set(c) == b for c, b in zip(caches, before)), "a new round size compiled a kernel again"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("bug, N", [(1, 60_000), (2, 5000), (3, 5000)],
-                         ids=["reused-uniform", "residual-from-wrong-row", "no-renormalisation"])
-def test_statistical_test_catches_planted_bugs_in_the_cpp_kernel(bug, N):
-    """The very distribution test above, on the C++ kernel with a deliberate mistake compiled in
-    (PlantedBug in csrc/verify.h): it must reject each, while the correct kernel passes."""
-    from specengine.ops.verify import _verify_cpp
+def planted_bug_tokens(bug: str, case: VerifyCase) -> torch.Tensor:
+    """The first emitted token [N] of the C++ kernel's verification of `case` (G = 1, one draft a
+    row, explicit uniforms) with a deliberate mistake planted around the kernel, none in it:
+      reused-uniform       the residual sample takes the accept test's uniform (u_sample = u_accept)
+      residual-from-wrong-row
+                           a rejected row's token sampled from max(0, p_1 - q_0): the next position's p
+      no-renormalisation   a rejected row's token the first index whose cumulative residual exceeds u,
+                           not u times the residual's mass
+    ("none": the kernel's own tokens.) Each row's uniform for the residual sample is its u_sample
+    (the first two bugs' rows take the same uniform the kernel took)."""
+    u_sample = case.u_accept if bug == "reused-uniform" else case.u_sample
+    emitted, counts = verify(case.target_logits, case.draft_logits, case.draft_tokens, case.num_drafts,
+                             case.temperature, case.top_k, case.top_p, case.min_p,
+                             torch.zeros_like(case.num_drafts), torch.zeros_like(case.num_drafts),
+                             u_accept=case.u_accept, u_sample=u_sample, impl="cpp")
+    tokens = emitted[:, 0].clone()
+    if bug in ("none", "reused-uniform"):
+        return tokens
+    params = (case.temperature, case.top_k, case.top_p, case.min_p)
+    p = warp_probs(case.target_logits[:, 1 if bug == "residual-from-wrong-row" else 0].float(), *params)
+    residual = (p - warp_probs(case.draft_logits[:, 0].float(), *params)).clamp(min=0)  # [N, V]
+    u = case.u_sample[:, 0]
+    if bug == "residual-from-wrong-row":
+        planted = sample_from_probs(residual, u)
+    else:
+        last_positive = residual.shape[-1] - 1 - (residual > 0).flip(-1).to(torch.int64).argmax(-1)
+        planted = torch.minimum((residual.cumsum(-1) <= u[:, None]).sum(-1), last_positive)
+    rejected = counts == 1  # one draft a row: a single token is the rejection's
+    tokens[rejected] = planted[rejected]
+    return tokens
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, N", [("reused-uniform", 60_000), ("residual-from-wrong-row", 5000),
+                                    ("no-renormalisation", 5000)])
+def test_statistical_test_catches_planted_bugs(bug, N):
+    """The very distribution test above, on the C++ kernel's verification with a deliberate
+    mistake planted around it (planted_bug_tokens): it must reject each, while the kernel's own
+    tokens pass."""
     case, p = fixed_position_case(N, WARPS["T=1"], seed=1)
     case.target_logits[:, 1] = torch.randn(12, generator=torch.Generator().manual_seed(5)) * 1.5
-    args = (case.target_logits, case.draft_logits.contiguous(), case.draft_tokens, case.num_drafts, case.temperature,
-            case.top_k, case.top_p, case.min_p, torch.arange(N), torch.full((N,), 17), None, None, None, None)
-    correct, _ = _verify_cpp(*args)
-    broken, _ = _verify_cpp(*args, planted_bug=bug)
-    assert chi_square_pvalue(torch.bincount(correct[:, 0], minlength=12), p) > 1e-3
-    assert chi_square_pvalue(torch.bincount(broken[:, 0], minlength=12), p) < 1e-6
-
+    correct, broken = planted_bug_tokens("none", case), planted_bug_tokens(bug, case)
+    assert chi_square_pvalue(torch.bincount(correct, minlength=12), p) > 1e-3
+    assert chi_square_pvalue(torch.bincount(broken, minlength=12), p) < 1e-6
 
 
 B_BAD, G_BAD, V_BAD = 3, 2, 11

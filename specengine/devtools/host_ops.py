@@ -73,35 +73,29 @@ def per_round(engine, prompts, params) -> dict[str, float]:
     (only the rounds' own work, the model runner's RoundRunner.run, is counted); and of the rounds run in blocks
     from device state (engine.rounds.RoundRunner._block), their ops per round and reads per block,
     the block's setup and its one read included."""
-    from ..engine.rounds import RoundRunner
-
     counter = HostOps()
     round_runner = engine.runner.rounds
-    run_round, run_block = round_runner.run, RoundRunner._block
+    run_rounds = round_runner.run
     blocks = dict(blocks=0, rounds=0, ops=0, reads=0)
 
     def counted(*args):
-        with counter.count():
-            return run_round(*args)
-
-    def counted_block(runner, sampling, sequences, gamma, rounds):
         ops, reads = counter.ops, counter.reads
-        try:
-            return run_block(runner, sampling, sequences, gamma, rounds)
-        finally:
+        with counter.count():
+            results, gamma = run_rounds(*args)
+        rounds = results[0].rounds
+        if rounds > 1:  # a block (one round before the read: a host round)
             blocks["blocks"] += 1
             blocks["rounds"] += rounds
             blocks["ops"] += counter.ops - ops
             blocks["reads"] += counter.reads - reads
+        return results, gamma
 
     round_runner.run = counted
-    RoundRunner._block = counted_block
     try:
         with counter:
             engine.generate(prompts, params)
     finally:
         del round_runner.run
-        RoundRunner._block = run_block
     rounds = engine.last_run_rounds
     result = dict(rounds=rounds, ops_per_round=counter.ops / rounds, reads_per_round=counter.reads / rounds)
     if blocks["blocks"]:

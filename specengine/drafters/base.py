@@ -92,9 +92,8 @@ class Drafter(Protocol):
         """The draft phase of a round run from device state (see ModelDrafter)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft in rounds run from device state")
 
-    def verified(self, lengths: list[int]) -> None:
-        """After a host round that checked this drafter's proposal: the rows now hold sequences of
-        these lengths (verification clipped a draft model's staged cache to the target's)."""
-
-    def resync(self, lengths: list[int]) -> None:
-        """After rounds run from device state: the rows now hold sequences of these lengths."""
+    def verified(self, starts: list[int], gamma: int, lengths: list[int]) -> None:
+        """After a read of rounds that checked this drafter's drafts (a host round, or a block run
+        from device state): the last of them drafted up to gamma tokens a row from sequences of
+        starts[b] tokens, and the rows now hold sequences of lengths[b] (verification clipped a
+        draft model's staged cache to the target's)."""

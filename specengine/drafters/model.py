@@ -199,13 +199,10 @@ class ModelDrafter(Drafter):
         return self.steps is not None and all(len(seq) - min(fed, len(seq) - 1) <= self.CATCH_UP_WIDTH
                                               for seq, fed in zip(sequences, self.fed))
 
-    def verified(self, lengths: list[int]):
-        """Verification clipped the cache to all but the last token of each sequence: drafts fed
-        past a rejection are gone, and a catch-up after rounds without drafts starts there."""
-        self.fed = [min(fed, n - 1) for fed, n in zip(self.fed, lengths)]
-
-    def resync(self, lengths: list[int]):
-        """After rounds run from device state: the rows now hold sequences of these lengths. The
-        cache holds at least all but the last two tokens (verification clipped it; full acceptance
-        leaves exactly that), and the fixed-shape catch-up re-feeds those two."""
-        self.fed = [n - self.CATCH_UP_WIDTH for n in lengths]
+    def verified(self, starts: list[int], gamma: int, lengths: list[int]):
+        """The last round's draft phase fed each row up to its gamma - 1st draft (every row of the
+        batch is fed gamma - 1 drafts, whatever its budget), and verification clipped the cache to
+        all but the last token of each sequence: drafts fed past a rejection are gone, and a
+        catch-up after rounds without drafts starts there. The same after a host round (whose
+        propose fed the rows) as after a block (whose draft phases ran on the device)."""
+        self.fed = [min(start + gamma - 1, n - 1) for start, n in zip(starts, lengths)]

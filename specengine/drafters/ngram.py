@@ -1,7 +1,7 @@
 """Prompt-lookup (n-gram) drafting: drafts copied from earlier in the context (paper Section 3.6).
 
 q is one-hot on the copied token, so verification stays lossless. The search runs in C++
-(specengine._C.ngram_propose); ngram_propose_reference is its oracle.
+(specengine._C.ngram_propose; tests/test_csrc.py holds its oracle).
 """
 from __future__ import annotations
 
@@ -11,17 +11,6 @@ import torch
 from .. import _C
 from ..sampling.batch import SamplingBatch
 from .base import Drafter, Proposal
-
-
-def ngram_propose_reference(tokens: list[int], min_n: int, max_n: int, max_drafts: int) -> list[int]:
-    """Tokens that followed the most recent earlier occurrence of the longest re-occurring suffix."""
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + max_drafts]
-    return []
 
 
 class NgramDrafter(Drafter):

@@ -7,8 +7,14 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
 from ..ops.verify import IMPLEMENTATIONS
 from .prefill_budget import CHUNK
+
+# The most draft tokens a round may verify: a verification's gamma + 1 tokens per row stay below
+# the GEMM threshold, so that every verification takes the decode path and a row's logits are
+# the bits target-only decoding computes (greedy output token-identical to it).
+MAX_GAMMA = GEMM_MIN_TOKENS_PER_ROW - 2
 
 
 def _positive_int(value) -> bool:
@@ -20,7 +26,8 @@ class EngineConfig:
     """gamma: "auto" (default) to choose the draft tokens of every round (up to max_gamma, one
     value for the batch; 0, target-only decoding, where drafting does not pay) from step costs
     measured on this machine and each request's running acceptance rate, or a fixed number of
-    draft tokens per round. Without a drafter every round is target-only and gamma is not used.
+    draft tokens per round; gamma and max_gamma at most MAX_GAMMA. Without a drafter every round
+    is target-only and gamma is not used.
     max_seq_len: the context a request may fill (default: the target's).
     eos_token_ids: tokens that end a request (default: the target config's, else the tokenizer's).
     verify_impl: "auto" (C++ on CPU, Triton on CUDA), "cpp", "triton" or "reference" (plain torch).
@@ -36,10 +43,11 @@ class EngineConfig:
     name, check_every, is still accepted (with a DeprecationWarning).
     prefill_chunk_tokens: prompt tokens a step prefills while other requests decode (joining
     prompts are prefilled a chunk a step, interleaved with the rounds): "auto" (measured: about a
-    round's time of prefill; no limit while nothing decodes), a multiple of 32, or None (0): each
-    prompt whole in the step it joins (engine.prefill_budget). Tokens are the same either way.
+    round's time of prefill; no limit while nothing decodes), a multiple of prefill_budget.CHUNK
+    (the GEMM threshold, 32 tokens), or None (0): each prompt whole in the step it joins
+    (engine.prefill_budget). Tokens are the same either way.
     prefix_cache_bytes: memory for the prefix cache, which keeps the target's and the draft
-    model's keys and values of prompts' blocks of 64 tokens for later requests starting alike
+    model's keys and values of prompts' blocks of prefix_cache.BLOCK tokens for later requests starting alike
     (engine.prefix_cache; decoder-only targets): "auto" (512 MiB on a CPU, a tenth of a GPU's
     memory) or bytes (0: off). Tokens are the same either way."""
     gamma: int | str = "auto"
@@ -56,10 +64,13 @@ class EngineConfig:
     prefix_cache_bytes: int | str = "auto"
 
     def __post_init__(self):
-        if self.gamma != "auto" and not (_positive_int(self.gamma) and self.gamma <= 64):
-            raise ValueError(f"gamma must be an integer in [1, 64] or 'auto' when drafting, got {self.gamma!r}")
-        if not (_positive_int(self.max_gamma) and self.max_gamma <= 64):
-            raise ValueError(f"max_gamma must be an integer in [1, 64], got {self.max_gamma!r}")
+        if self.gamma != "auto" and not (_positive_int(self.gamma) and self.gamma <= MAX_GAMMA):
+            raise ValueError(f"gamma must be an integer in [1, {MAX_GAMMA}] (MAX_GAMMA: a verification of gamma + 1 "
+                             f"tokens per row stays below the GEMM threshold) or 'auto' when drafting, "
+                             f"got {self.gamma!r}")
+        if not (_positive_int(self.max_gamma) and self.max_gamma <= MAX_GAMMA):
+            raise ValueError(f"max_gamma must be an integer in [1, {MAX_GAMMA}] (MAX_GAMMA: a verification of "
+                             f"gamma + 1 tokens per row stays below the GEMM threshold), got {self.max_gamma!r}")
         if self.max_seq_len is not None and not (isinstance(self.max_seq_len, int) and self.max_seq_len >= 2):
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.eos_token_ids is not None:

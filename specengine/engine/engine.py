@@ -214,27 +214,36 @@ class Engine:
     def _step(self, report: bool) -> list[RequestOutput]:
         """step(); report=False builds no outputs (generate() reads whole results at the end, and
         an output decodes its request's text)."""
-        scheduler = self.scheduler
+        scheduler, runner = self.scheduler, self.runner
         outputs = [self.outputs.output(r) for r in scheduler.take_ended()]
+        self._cover_costs()
         plan = scheduler.schedule()
         try:
-            outcome = self.runner.run(plan)
+            outcome = runner.run(plan)
         except BaseException as exc:
             # A failed prefill ends the requests being prefilled; a failed round, every row's (their
             # rows are in no known state). The others keep being served.
-            scheduler.fail(plan, self.runner.part, exc)
+            runner.release(scheduler.fail(plan, runner.part, exc), scheduler.rows_broken)
             raise
         failure = self._apply(plan, outcome)
         if not plan.decoding:
             return outputs
         if failure is not None:
             # Only the broken rows ended; what the others gained is reported with the next step.
-            scheduler.release(report=True)
+            runner.release(scheduler.release(report=True), scheduler.rows_broken)
             raise failure
         if report:
             outputs += [self.outputs.output(r) for r in plan.decoding]
-        scheduler.release()
+        runner.release(scheduler.release(), scheduler.rows_broken)
         return outputs
+
+    def _cover_costs(self):
+        """With gamma="auto", the step costs the next plan prices (batches up to the rows it will
+        hold) that are not measured yet are measured now, before it is made and outside a round,
+        whose timing would teach the controller a measurement as its overhead."""
+        rows = self.scheduler.rows_to_hold()
+        if rows is not None and self.gamma_controller is not None:
+            self.gamma_controller.costs_by_batch.cover(rows)
 
     def _apply(self, plan: StepPlan, outcome: StepOutcome) -> InvalidLogitsError | None:
         """What each row emitted, applied to its request; what the step took, to the scheduler. A
@@ -265,7 +274,11 @@ class Engine:
         False when no unfinished request has this id."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
-        return self.scheduler.abort(request_id)
+        release = self.scheduler.abort(request_id)
+        if release is None:
+            return False
+        self.runner.release(release, self.scheduler.rows_broken)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.unfinished)

@@ -36,7 +36,7 @@ import torch
 
 from ..drafters.base import Drafter, Proposal
 from ..ops.verify import verify
-from ..sampling.batch import SamplingBatch, row_problems, rows_valid
+from ..sampling.batch import SamplingBatch, rows_valid
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..steps.feed import to_device
 from ..steps.graphs import FixedShapeSteps
@@ -137,12 +137,11 @@ class RoundLog:
         log.scatter_(1, start + torch.arange(self.width, device=log.device), entry)
         start += self.width
 
-    def results(self, rows: list[list[int]], rounds: int, draft_calls: int,
-                why: Callable[[int, str], str]) -> list[RoundResult]:
-        """Each row's result from the log read back (host lists) after `rounds` rounds; why(row,
-        "draft" or "target") says what broke a row whose logits were not finite."""
+    def results(self, rows: list[list[int]], rounds: int, draft_calls: int) -> list[RoundResult]:
+        """Each row's result from the log read back (host lists) after `rounds` rounds, a row whose
+        logits were not finite failing with what broke first."""
         results = []
-        for i, row in enumerate(rows):
+        for row in rows:
             tokens, emitted, drafted, broken = [], [], [], None
             for r in range(rounds):
                 start = self.entry(r) + self.FIELDS
@@ -150,8 +149,11 @@ class RoundLog:
                 tokens += row[start:start + count]
                 emitted.append(count)
                 drafted.append(drafts)
-                broken = broken or next((name for name, ok in zip(("draft", "target"), finite) if not ok), None)
-            results.append(RoundResult(tokens, emitted, drafted, draft_calls, why(i, broken) if broken else None))
+                name = next((name for name, ok in zip(("draft", "target"), finite) if not ok), None)
+                if broken is None and name is not None:
+                    broken = (f"{name} logits contain NaN or infinite entries (round {r + 1} of {rounds} read "
+                              "together); nothing of those rounds was kept")
+            results.append(RoundResult(tokens, emitted, drafted, draft_calls, broken))
         return results
 
 
@@ -168,6 +170,17 @@ def rounds_that_fit(rooms: list[int], gamma: int) -> int:
 
 
 _UNMARKED = Phases()  # the parts of a round inside a block: the block marks each whole round
+
+
+@dataclass(frozen=True)
+class _ReadSetup:
+    """The rounds before one read, set up (a host round's or a block's): the batch rows' log [rows,
+    layout.columns] on the device (of a block, a view of its bucket's), the draft model's calls in
+    all, and the call that runs the next round."""
+    layout: RoundLog
+    log: torch.Tensor
+    draft_calls: int
+    run_round: Callable[[], torch.Tensor | None]
 
 
 class RoundRunner:
@@ -193,12 +206,20 @@ class RoundRunner:
         rounds = self._rounds_before_read(sequences, gamma, rounds_per_read)
         # A round writes each row's last token and up to gamma drafts.
         batch.make_room(max(len(s) for s in sequences) + rounds * (gamma + 1))
-        if rounds == 1:
-            results, gamma = self._host_round(batch, sequences, gamma)
-        else:
-            results = self._block(batch.sampling, sequences, gamma, rounds)
+        setup = self._host_round(batch, sequences, gamma) if rounds == 1 else \
+            self._block(batch.sampling, sequences, gamma, rounds)
+        for _ in range(rounds):
+            logits = setup.run_round()
+        layout = setup.layout
+        results = layout.results(_read_back(setup.log), rounds, setup.draft_calls)
+        if layout.gamma > 0:
+            # Where each row's last round started, and where verification left it.
+            self.drafter.verified([len(s) + sum(r.emitted[:-1]) for s, r in zip(sequences, results)], layout.gamma,
+                                  [len(s) + sum(r.emitted) for s, r in zip(sequences, results)])
+        if rounds == 1:  # what only a host round's verification (its logits and features, not overwritten) gives
+            self._after_host_round(batch, sequences, results, logits)
         self.rounds_run += rounds
-        return results, gamma
+        return results, layout.gamma
 
     def _rounds_before_read(self, sequences: list[list[int]], gamma: int, most: int) -> int:
         """The plan's rounds per read, or one (a host round) where the drafter cannot draft from
@@ -233,10 +254,12 @@ class RoundRunner:
 
     # ---- a host round: drafted from the host's sequences, read at once ------------------------
 
-    def _host_round(self, batch: RunningBatch, sequences: list[list[int]],
-                    gamma: int) -> tuple[list[RoundResult], int]:
-        active, cache = batch.requests, batch.cache
-        budgets = [min(gamma, room - 1) for room in rooms(active, self.max_seq_len)]
+    def _host_round(self, batch: RunningBatch, sequences: list[list[int]], gamma: int) -> _ReadSetup:
+        """A host round, drafted now from the host's sequences by any drafter (up to gamma drafts a
+        row, fewer near its limits); its round runs the target's forward eagerly on the batch's
+        cache or as a fixed-shape step, and returns its logits."""
+        cache = batch.cache
+        budgets = [min(gamma, room - 1) for room in rooms(batch.requests, self.max_seq_len)]
         with self.phases("draft"):
             proposal = self._propose(sequences, budgets, batch)
         G = proposal.tokens.shape[1]
@@ -252,23 +275,26 @@ class RoundRunner:
         # The draft model's staged cache holds the target's positions: the drafts it fed past a
         # rejection are forgotten with the target's (a round without drafts leaves it shorter).
         draft_lengths = batch.draft_cache.lengths if G > 0 and batch.draft_cache is not None else None
-        logits, _, _ = self._round(layout, log, proposal, batch.sampling, forward, cache.lengths, draft_lengths,
-                                   self.phases)
-        checked = dict(draft=proposal.logits, target=logits)
-        results = layout.results(_read_back(log), 1, proposal.draft_calls,
-                              lambda row, name: row_problems(name, checked[name])[row])
-        if G > 0:
-            self.drafter.verified([len(s) + len(r.tokens) for s, r in zip(sequences, results)])
+
+        def run_round() -> torch.Tensor:
+            return self._round(layout, log, proposal, batch.sampling, forward, cache.lengths, draft_lengths,
+                               self.phases)[0]
+        return _ReadSetup(layout, log, proposal.draft_calls, run_round)
+
+    def _after_host_round(self, batch: RunningBatch, sequences: list[list[int]], results: list[RoundResult],
+                          logits: torch.Tensor):
+        """What a host round's read hands on from its verification (logits [B, G+1, V]): a feature
+        drafter's features of the tokens kept, and the log-probabilities of rows that ask for them."""
         if self.drafter is not None and self.drafter.feature_layers:
             # The verification forward's features (LlamaForCausalLM.capture_features) of the tokens it
             # kept: each row's last token and its accepted drafts; those of rejected drafts are dropped.
             kept = [len(r.tokens) if r.failure is None else 0 for r in results]
             self.drafter.take_features(list(range(len(sequences))), [len(s) - 1 for s in sequences],
                                        self.target.features, kept)
+        active = batch.requests
         scored = [i for i, r in enumerate(active) if r.logprobs is not None and results[i].failure is None]
         if scored:
             self._score(results, scored, active, logits, batch.sampling)
-        return results, G
 
     def _propose(self, sequences: list[list[int]], budgets: list[int], batch: RunningBatch) -> Proposal:
         if self.drafter is None or max(budgets) == 0:
@@ -306,12 +332,11 @@ class RoundRunner:
     # ---- a block: rounds from device state, read once -----------------------------------------
 
     @torch.inference_mode()
-    def _block(self, sampling: SamplingBatch, sequences: list[list[int]], gamma: int,
-               rounds: int) -> list[RoundResult]:
-        """`rounds` rounds of gamma drafts for every row (sequences of at least two tokens, each
-        with room for them: see rounds_that_fit), then one read. Each round is one call of
-        _device_round over the batch's bucket: on a GPU one graph replay, with nothing between
-        replays on the host."""
+    def _block(self, sampling: SamplingBatch, sequences: list[list[int]], gamma: int, rounds: int) -> _ReadSetup:
+        """A block of `rounds` rounds of gamma drafts for every row (sequences of at least two
+        tokens, each with room for them: see rounds_that_fit), on the batch's bucket. Each round is
+        one call of _device_round: on a GPU one graph replay, with nothing between replays on the
+        host; it returns None (its logits are the next round's buffers)."""
         steps, drafter, B = self.target_steps, self.drafter, len(sequences)
         device, bucket, capacity = steps.model.device, steps.bucket(B), steps.cache.capacity
         layout = RoundLog(gamma, self.rounds_per_read)
@@ -327,15 +352,12 @@ class RoundRunner:
         round_fn = lambda **b: self._device_round(layout, sampling.filters, **b)  # noqa: E731
         # A round advances its own log and both caches' lengths: a capture's warm-ups are undone.
         lengths = (steps.cache.row_lengths(bucket),) + ((drafter.steps.cache.row_lengths(bucket),) if gamma > 0 else ())
-        for _ in range(rounds):
+
+        @torch.inference_mode()
+        def run_round() -> None:
             with self.phases("round"):
                 steps.graphs.run(key, round_fn, state=lengths)
-        why = (lambda row, name: f"{name} logits had NaN or infinite entries within a block of {rounds} rounds; "
-               "nothing of the block was kept")
-        results = layout.results(_read_back(buffers["log"][:B]), rounds, rounds * gamma, why)
-        if gamma > 0:
-            drafter.resync([len(s) + sum(r.emitted) for s, r in zip(sequences, results)])
-        return results
+        return _ReadSetup(layout, buffers["log"][:B], rounds * gamma, run_round)
 
     def _device_round(self, layout: RoundLog, filters: bool, log: torch.Tensor, temperature: torch.Tensor,
                       top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> tuple:

@@ -21,8 +21,10 @@ the prompt as its target does.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections.abc import Callable
 from fractions import Fraction
 
 import torch
@@ -39,7 +41,9 @@ from .prefill_budget import CHUNK
 from .prefix_cache import BLOCK, PrefixCache, default_budget
 from .request import Request
 from .rounds import RoundRunner
-from .scheduler import Admission, PrefillDone, StepOutcome, StepPlan
+from .scheduler import Admission, PrefillDone, RowRelease, StepOutcome, StepPlan
+
+log = logging.getLogger("specengine")
 
 
 class ModelRunner:
@@ -127,6 +131,29 @@ class ModelRunner:
             tokens, share = self._prefill(plan)
         self.part = None
         return PrefillDone(tokens, share, time.perf_counter() - start)
+
+    def release(self, release: RowRelease, broken: Callable[[str, BaseException], RowRelease]):
+        """Free the rows the scheduler released. Should a move fail, its rows are in no known
+        state: broken("prefilling" or "running", exc) ends their requests (Scheduler.rows_broken)
+        and says which rows to drop, which are dropped whatever state they are in."""
+        batch = self.batch
+        if release.all_rows:
+            batch.clear()
+            return
+        if release.all_prefilling:
+            batch.drop_all_prefilling()
+        if release.prefilling:
+            try:
+                batch.drop_prefilling(list(release.prefilling))
+            except Exception as exc:  # noqa: BLE001 (contained: the other joiners end with the reason)
+                log.exception("freeing the row of a request being prefilled failed; those being prefilled end")
+                self.release(broken("prefilling", exc), broken)
+        if release.keep is not None:
+            try:
+                batch.keep(list(release.keep))
+            except Exception as exc:  # noqa: BLE001 (contained: the survivors end with the reason)
+                log.exception("freeing the rows of ended requests failed; the running requests end")
+                self.release(broken("running", exc), broken)
 
     # ---- prefill ----------------------------------------------------------------------------------
 

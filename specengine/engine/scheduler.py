@@ -9,14 +9,17 @@ holds of their prompts. Their prompts are then prefilled a chunk a step, within 
 (engine.prefill_budget), and they join the rounds once prefilled: the plan says which rows its
 prefill completes, so the step's gamma and rounds are chosen for the rows that will decode. A
 request that ends holds no row from then on; its last output is reported by the next step (those
-of requests that ended outside a step: aborts, failed prefills, failed rounds). Moving the other
-rows to the front is device work: should it fail, no row is in a known state, so the running
-requests end with the reason rather than decode from a broken cache. A failed prefill ends the
-requests being prefilled; the rows decoding stay as they were.
+of requests that ended outside a step: aborts, failed prefills, failed rounds). The scheduler
+decides which rows are freed (a RowRelease); moving the other rows to the front is device work,
+the model runner's (ModelRunner.release): should it fail, no row is in a known state, so the
+running requests end with the reason rather than decode from a broken cache (rows_broken). A
+failed prefill ends the requests being prefilled; the rows decoding stay as they were.
+
+The scheduler runs no forward: the step costs gamma="auto" prices are measured before it plans
+(the engine covers rows_to_hold's batch size first).
 """
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections import deque
@@ -29,8 +32,6 @@ from .prefill_budget import CHUNK, PrefillBudget
 from .prefix_cache import BLOCK, Block, PrefixCache, block_keys
 from .request import Request
 from .rounds import RoundResult, rooms, rounds_that_fit
-
-log = logging.getLogger("specengine")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,16 @@ class StepPlan:
             raise ValueError("a plan gives a row one chunk at most")
         if [r.request for r in self.joins] != self.decoding[len(self.decoding) - len(self.joins):]:
             raise ValueError("the rows that join decode last, in their order")
+
+
+@dataclass(frozen=True)
+class RowRelease:
+    """Rows to free, as the scheduler decided (Scheduler.release, abort, fail, rows_broken), for the
+    model runner to drop (engine.runner.ModelRunner.release)."""
+    prefilling: tuple[Prefilling, ...] = ()  # staged rows whose requests ended
+    keep: tuple[int, ...] | None = None      # the decoding rows kept, in order (None: every one)
+    all_prefilling: bool = False             # every staged row (their prefill failed)
+    all_rows: bool = False                   # every row, staged ones too (the rows are in no known state)
 
 
 @dataclass
@@ -139,13 +150,25 @@ class Scheduler:
 
     # ---- the plan -------------------------------------------------------------------------------
 
+    def _admissible(self) -> int:
+        """How many waiting requests the next step admits: as many as rows are free."""
+        free = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - self.batch.rows_held
+        return max(0, min(free, len(self.waiting)))
+
+    def rows_to_hold(self) -> int | None:
+        """The rows the next step's plan holds once it has admitted, when it prefills (then it
+        prices batches up to this many rows: their step costs must be measured before it plans);
+        None when it prefills nothing."""
+        admitted = self._admissible()
+        if not (admitted or self.batch.prefilling):
+            return None
+        return self.batch.rows_held + admitted
+
     def schedule(self) -> StepPlan:
         """The next step: admissions, the prefill's chunks, and for the rows that then decode the
         rounds' gamma and the most rounds before a read. Should planning fail, the requests it took
         off the queue end (the rows held stay as they were)."""
-        held = self.batch.rows_held
-        free = len(self.waiting) if self.max_batch_size is None else self.max_batch_size - held
-        taken = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        taken = [self.waiting.popleft() for _ in range(self._admissible())]
         try:
             return self._plan(taken)
         except BaseException as exc:
@@ -162,9 +185,6 @@ class Scheduler:
             controller = self._gamma_controller()
             if controller is not None:
                 rows = batch.rows_held + len(admitted)
-                # Costs not measured yet for batches this large are measured now, not in a round,
-                # whose timing would teach the controller a measurement as its overhead.
-                controller.costs_by_batch.cover(rows)
                 for a in admitted:
                     a.row.request.acceptance = controller.new_estimate(rows, greedy=a.row.request.params.temperature == 0)
             share = self.prefill_budget.next(decoding=bool(batch.requests))
@@ -278,57 +298,48 @@ class Scheduler:
 
     # ---- requests that leave ----------------------------------------------------------------------
 
-    def fail(self, plan: StepPlan, part: str, exc: BaseException):
+    def fail(self, plan: StepPlan, part: str, exc: BaseException) -> RowRelease:
         """The runner failed carrying out the plan, in its "prefill" (the requests admitted and
         being prefilled end; the rows decoding stay as they were) or its "rounds" (the rounds'
-        rows are in no known state: every request holding a row ends)."""
+        rows are in no known state: every request holding a row ends). Returns the rows to drop."""
         if part == "prefill":
             for a in plan.admitted:  # those not staged yet
                 self.end(a.row.request, f"aborted: its prefill failed ({type(exc).__name__}: {exc})")
-            self._end_prefilling(exc)
-        else:
-            self.end_running(f"aborted: the round failed ({type(exc).__name__}: {exc})")
+            return self.rows_broken("prefilling", exc)
+        return self._end_running(f"aborted: the round failed ({type(exc).__name__}: {exc})")
 
-    def _end_prefilling(self, exc: BaseException):
-        for j in self.batch.prefilling:
-            self.end(j.request, f"aborted: its prefill failed ({type(exc).__name__}: {exc})")
-        self.batch.drop_all_prefilling()
+    def rows_broken(self, rows: str, exc: BaseException) -> RowRelease:
+        """Moving rows failed, leaving these in no known state: "prefilling" (the staged rows:
+        their requests end) or "running" (every row: every request holding one ends). Returns the
+        rows to drop."""
+        if rows == "prefilling":
+            for j in self.batch.prefilling:
+                self.end(j.request, f"aborted: its prefill failed ({type(exc).__name__}: {exc})")
+            return RowRelease(all_prefilling=True)
+        return self._end_running(f"aborted: freeing another request's row failed ({type(exc).__name__}: {exc})")
 
-    def abort(self, request_id: str) -> bool:
-        """End a request now, whatever its state, and free its row. False when none has this id."""
+    def abort(self, request_id: str) -> RowRelease | None:
+        """End a request now, whatever its state: the rows to free (None: no unfinished request
+        has this id)."""
         request = self.unfinished.get(request_id)
         if request is None:
-            return False
+            return None
         # Ended first: whatever happens to the rows, the request is over and reported.
         self.end(request, "aborted")
         if request in self.waiting:
             self.waiting.remove(request)
-        else:
-            self.release()
-        return True
+            return RowRelease()
+        return self.release()
 
-    def release(self, report: bool = False):
-        """Drop the rows of requests that ended (report: their outputs are still to be reported)."""
-        ended = [j for j in self.batch.prefilling if j.request.finish_reason is not None]
-        if ended:
-            try:
-                self.batch.drop_prefilling(ended)
-            except Exception as exc:  # noqa: BLE001 (contained: the other joiners end with the reason)
-                log.exception("freeing the row of a request being prefilled failed; those being prefilled end")
-                self._end_prefilling(exc)
+    def release(self, report: bool = False) -> RowRelease:
+        """The rows of requests that ended, to free (report: their outputs are still to be reported)."""
+        ended = tuple(j for j in self.batch.prefilling if j.request.finish_reason is not None)
         running = self.batch.requests
-        keep = [i for i, r in enumerate(running) if r.finish_reason is None]
+        keep = tuple(i for i, r in enumerate(running) if r.finish_reason is None)
         for r in running:
             if r.finish_reason is not None and self.unfinished.pop(r.request_id, None) is not None and report:
                 self.ended.append(r)
-        if len(keep) == len(running):
-            return
-        try:
-            self.batch.keep(keep)
-        except Exception as exc:  # noqa: BLE001 (contained: the survivors end with the reason)
-            log.exception("freeing the rows of ended requests failed; the running requests end")
-            self.batch.requests = [running[i] for i in keep]
-            self.end_running(f"aborted: freeing another request's row failed ({type(exc).__name__}: {exc})")
+        return RowRelease(ended, None if len(keep) == len(running) else keep)
 
     def end(self, r: Request, message: str):
         """Abort a request: it ends now, with the message, and the next step reports it."""
@@ -338,12 +349,12 @@ class Scheduler:
         if self.unfinished.pop(r.request_id, None) is not None:
             self.ended.append(r)
 
-    def end_running(self, message: str):
-        """End every request holding a row, prefilling ones too (their rows are in no known state),
-        and drop the rows."""
+    def _end_running(self, message: str) -> RowRelease:
+        """End every request holding a row, prefilling ones too (their rows are in no known state):
+        every row to drop."""
         for r in self.batch.requests + self.prefilling:
             self.end(r, message)
-        self.batch.clear()
+        return RowRelease(all_rows=True)
 
     def take_ended(self) -> list[Request]:
         ended, self.ended = self.ended, []

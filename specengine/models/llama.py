@@ -24,7 +24,7 @@ from ..layers.tracked import KeepsParameterViews
 from ..ops.activation import silu_mul
 from ..ops.attention import attention_mask, cached_attention
 from ..ops.decoder_layer import DecoderLayerWeights, decoder_layer
-from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
+from ..ops.product import gemm_sized
 from .backend import Backend, RunsOnBackend
 from .config import ModelConfig
 
@@ -332,7 +332,7 @@ class LlamaForCausalLM(RunsOnBackend, KeepsParameterViews):
         mask = attention_mask(run.positions, kv_len, c.sliding_window) if backend.impl == "reference" else None
         step = StepInputs(run.positions, cos, sin, kv_len, backend.impl, mask)
         # A prefill-sized call runs op by op, its products GEMMs (see ops.product).
-        whole_layers = self.whole_layer_weights() if backend.whole_layers and T < GEMM_MIN_TOKENS_PER_ROW else None
+        whole_layers = self.whole_layer_weights() if backend.whole_layers and not gemm_sized(T) else None
         # The embedding is made here, not kept from an earlier failed try (models.backend's fallback).
         x, delta = (self.embed(run.tokens), None) if run.layers_done == 0 else (run.x, run.delta)
         end = len(self.model.layers) if layers is None else min(len(self.model.layers), run.layers_done + layers)

@@ -34,7 +34,7 @@ from ..layers.norm import RMSNorm
 from ..layers.tracked import KeepsParameterViews
 from ..ops.attention import biased_attention, relative_attention, relative_bias
 from ..ops.decoder_layer import T5BlockWeights, t5_decoder_block
-from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
+from ..ops.product import gemm_sized
 from .backend import Backend, RunsOnBackend
 from .t5_config import T5Config
 
@@ -345,7 +345,7 @@ class T5ForConditionalGeneration(RunsOnBackend, KeepsParameterViews):
             step.self_bias = relative_bias(positions, kv_len, table, self.dtype)
             step.cross_bias = relative_bias(source_last, cache.source_capacity, None, self.dtype)
         # A prefill-sized call runs op by op, its products GEMMs (see ops.product).
-        whole_blocks = self.whole_layer_weights() if backend.whole_layers and T < GEMM_MIN_TOKENS_PER_ROW else None
+        whole_blocks = self.whole_layer_weights() if backend.whole_layers and not gemm_sized(T) else None
         x = self.shared.weight[tokens].to(self.dtype)
         for i, block in enumerate(self.decoder):
             if whole_blocks is not None:  # one C++ call, x updated in place

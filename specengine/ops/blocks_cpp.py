@@ -19,6 +19,8 @@ import weakref
 
 import torch
 
+from ..kernels.weight_types import BY_NAME
+
 # id(matrix) -> (weakref to it, its descriptor, out_features), for BlockMatrix objects (frozen:
 # their parts' tensors are theirs for life). The weak reference both drops the entry when the
 # matrix dies and tells a matrix from a later object given the same id. Building a descriptor
@@ -27,7 +29,8 @@ import torch
 # described afresh each call: a tensor's data can be re-pointed
 # (param.data = ...), a BlockMatrix's cannot.
 _described: dict[int, tuple[weakref.ref, tuple[int, ...], int]] = {}
-_DENSE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # ggml type ids
+_DENSE_TYPES = {dtype: BY_NAME[name].type_id  # ggml type ids
+                for dtype, name in ((torch.float32, "F32"), (torch.float16, "F16"), (torch.bfloat16, "BF16"))}
 
 
 def _forget(key: int):

@@ -16,6 +16,7 @@ import torch
 
 from ..kernels import blocks as kernels
 from .blocks import BlockMatrix, MatrixPart, WeightType
+from .product import product_gemm_sized
 
 # How each float type's bytes are handed to the kernel (see kernels.blocks: bfloat16 as its raw bits).
 _FLOAT_VIEWS = {WeightType.F32: torch.float32, WeightType.F16: torch.float16, WeightType.BF16: torch.int16}
@@ -72,16 +73,16 @@ def linear_blocks_triton(
         if bias is not None:
             out += bias
         return out.reshape(*lead, N)
-    tokens_per_row = x.shape[-2] if x.dim() >= 3 else 1
+    gemm = product_gemm_sized(x)
     x = x.reshape(R, K).contiguous()
     bias = None if bias is None else bias.contiguous()
-    splits = kernels.plan(R, N, K, tokens_per_row)["splits"]
+    splits = kernels.plan(R, N, K, gemm)["splits"]
     partial = None if splits == 1 else torch.empty(splits, R, N, dtype=torch.float32, device=x.device)
     col = 0
     for part in matrix.parts:
         if part.rows:
             columns = slice(col, col + part.rows)
-            p = kernels.plan(R, part.rows, K, tokens_per_row, N)
+            p = kernels.plan(R, part.rows, K, gemm, N)
             if partial is None:
                 _product_part(x, part, p, None if bias is None else bias[columns], out[:, columns])
             else:

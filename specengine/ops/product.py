@@ -37,10 +37,23 @@ from .linear import amx_available, gemm_bf16_weight_amx_cpp, linear_bf16_weight_
 # panel of weights over many rows, while below it the few-row ops, which stream the weights once
 # for all rows, are as fast or faster (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
 # Decided on tokens per row, not rows in all, so that a decoding row takes the same path in a
-# batch of any size (verifications have at most max_gamma + 1 tokens per row; a 2-d x is rows
-# of one token). The prefill's chunk (engine.prefill_budget.CHUNK), the prefix cache's block
-# and the whole-layer ops' use (models.llama, models.t5) follow it.
+# batch of any size (verifications have at most max_gamma + 1 tokens per row, below it:
+# engine.config.MAX_GAMMA; a 2-d x is rows of one token). The prefill's chunk
+# (engine.prefill_budget.CHUNK), the prefix cache's block and the whole-layer ops' use
+# (models.llama, models.t5) follow it.
 GEMM_MIN_TOKENS_PER_ROW = 32
+
+
+def gemm_sized(tokens_per_row: int) -> bool:
+    """Whether a call of tokens_per_row tokens per row takes the GEMM path: the one place that
+    decides, for the C++ products, the Triton products (kernels.blocks takes the decision), the
+    whole-layer ops' use (models.llama, models.t5) and the prefill's calls (steps.feed)."""
+    return tokens_per_row >= GEMM_MIN_TOKENS_PER_ROW
+
+
+def product_gemm_sized(x: torch.Tensor) -> bool:
+    """gemm_sized for a product's x [..., T, K]: T tokens per row; a 2-d x is rows of one token."""
+    return gemm_sized(x.shape[-2] if x.dim() >= 3 else 1)
 
 
 def product_cpp(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -49,7 +62,7 @@ def product_cpp(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Ten
     dense_bf16 = isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
     if isinstance(weight, torch.Tensor) and not weight.is_contiguous():
         weight = weight.contiguous()
-    if x.dim() >= 3 and x.shape[-2] >= GEMM_MIN_TOKENS_PER_ROW:
+    if product_gemm_sized(x):
         if dense_bf16 and amx_available():
             return gemm_bf16_weight_amx_cpp(x, weight, bias)
         return gemm_blocks_cpp(x, weight, bias)

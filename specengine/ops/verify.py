@@ -180,13 +180,12 @@ def _sample_warped_cpp(logits, temperature, top_k, top_p, min_p, u) -> torch.Ten
     emitted, counts = torch.empty(B, dtype=torch.int64), torch.empty(B, dtype=torch.int64)
     _C.verify(logits.data_ptr(), 0, _DTYPE_CODES[logits.dtype], B, 0, V, logits.stride(0), 0, 0, 0, zeros, zeros,
               temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), zeros, zeros,
-              u.data_ptr(), u.data_ptr(), emitted.data_ptr(), counts.data_ptr(), 0, 0, 0)
+              u.data_ptr(), u.data_ptr(), emitted.data_ptr(), counts.data_ptr(), 0, 0)
     return emitted
 
 
 def _verify_cpp(target_logits, draft_logits, draft_tokens, num_drafts, temperature, top_k, top_p, min_p, seeds,
-                positions, u_accept, u_sample, target_lengths, draft_lengths, planted_bug: int = 0):
-    """planted_bug (tests only) selects a deliberate mistake, see PlantedBug in csrc/verify.h."""
+                positions, u_accept, u_sample, target_lengths, draft_lengths):
     from .. import _C
 
     B, G1, V = target_logits.shape
@@ -198,5 +197,5 @@ def _verify_cpp(target_logits, draft_logits, draft_tokens, num_drafts, temperatu
               target_logits.stride(0), target_logits.stride(1), *d_stride, address(draft_tokens),
               address(num_drafts), address(temperature), address(top_k), address(top_p), address(min_p),
               address(seeds), address(positions), address(u_accept), address(u_sample), address(emitted),
-              address(counts), address(target_lengths), address(draft_lengths), planted_bug)
+              address(counts), address(target_lengths), address(draft_lengths))
     return emitted, counts

@@ -1,7 +1,6 @@
 """Sampling parameters of a batch of rows as tensors, and the checks every verify input gets."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -38,47 +37,10 @@ class InvalidLogitsError(ValueError):
     """A model produced NaN or +inf logits, or masked every token of a row."""
 
 
-def logits_valid(logits: torch.Tensor) -> torch.Tensor | bool:
-    """Whether check_logits would pass: no NaN, no +inf, a finite entry in every row. -inf
-    entries are fine (a draft whose head scores only some ids has them on every other id, every
-    round). One reduction: every row's largest entry is finite exactly then (a NaN propagates
-    through max). On CUDA a 0-dim bool tensor, computed without a synchronisation: read it
-    later. On a CPU the work is done when this returns, so it is a bool. When it is False, run
-    check_logits: it names the problem."""
-    if logits.numel() == 0:
-        return True
-    lowest, highest = torch.aminmax(logits.amax(-1))
-    if logits.device.type == "cpu":
-        return math.isfinite(lowest) and math.isfinite(highest)
-    return torch.isfinite(lowest) & torch.isfinite(highest)
-
-
-def check_logits(name: str, logits: torch.Tensor):
-    """Logits [..., V]: no NaN, no +inf, at least one finite entry per row."""
-    if logits_valid(logits):
-        return
-    if torch.isnan(logits).any():
-        raise InvalidLogitsError(f"{name} logits contain NaN (a numerically broken model or checkpoint?)")
-    if torch.isposinf(logits).any():
-        raise InvalidLogitsError(f"{name} logits contain +inf")
-    if logits.numel() and not torch.isfinite(logits).any(-1).all():
-        raise InvalidLogitsError(f"{name} logits are -inf for every token of some row")
-
-
 def rows_valid(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, T, V]: [B] bool, whether check_logits would pass on each row (the reduction of
-    logits_valid, kept per row: a row's logits never depend on another's). Device ops only, no
-    synchronisation."""
+    """logits [B, T, V]: [B] bool, whether each row's logits are valid: no NaN, no +inf, a finite
+    entry at every position (-inf entries are fine: a draft whose head scores only some ids has
+    them on every other id, every round). One reduction: a position's largest entry is finite
+    exactly then (a NaN propagates through max), kept per row: a row's logits never depend on
+    another's. Device ops only, no synchronisation."""
     return torch.isfinite(logits.amax(-1)).all(-1)
-
-
-def row_problems(name: str, logits: torch.Tensor) -> dict[int, str]:
-    """Logits [B, T, V] that failed logits_valid: what check_logits says of each broken row, by row."""
-    broken = ~rows_valid(logits)
-    problems = {}
-    for row in broken.nonzero().flatten().tolist():
-        try:
-            check_logits(name, logits[row])
-        except InvalidLogitsError as exc:
-            problems[row] = str(exc)
-    return problems

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.kv_cache import StaticKVCache
-from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
+from ..ops.product import GEMM_MIN_TOKENS_PER_ROW, gemm_sized
 from ..models.llama import PartialForward
 from ..models.loader import Model
 
@@ -96,7 +96,7 @@ def start_prefill(model: Model, cache: StaticKVCache, rows: list[int], done: lis
             last = groups[-1]
             grown = max(longest, size)
             if (rows[i] == rows[last[-1]] + 1
-                    and (n >= GEMM_MIN_TOKENS_PER_ROW) == (whole[last[0]] >= GEMM_MIN_TOKENS_PER_ROW)
+                    and gemm_sized(n) == gemm_sized(whole[last[0]])
                     and (len(last) + 1) * grown <= real + size + max((real + size) // 4, 64)):
                 last.append(i)
                 longest, real = grown, real + size
@@ -106,7 +106,7 @@ def start_prefill(model: Model, cache: StaticKVCache, rows: list[int], done: lis
     calls = []
     for group in groups:
         lengths = [len(chunks[i]) for i in group]
-        gemm = whole[group[0]] >= GEMM_MIN_TOKENS_PER_ROW
+        gemm = gemm_sized(whole[group[0]])
         width = max(max(lengths), GEMM_MIN_TOKENS_PER_ROW if gemm else 0)
         # Right-padded: the padding writes entries past the row's length, masked until real
         # tokens overwrite them.
