@@ -214,3 +214,12 @@ def test_bench_with_an_eagle3_head(text_pair, tmp_path, capsys):
     # A folder that holds no head is refused by name.
     assert cli_main([*args, "--drafter", "eagle3", "--draft", str(draft), "--out-dir", str(tmp_path)]) == 2
     assert "does not say it holds one" in capsys.readouterr().err
+
+
+def test_a_cpu_figure_names_the_cpu_its_ops_path_and_threads():
+    from specengine import _C
+    from specengine.devtools.benchmark import machine_name
+    from specengine.engine.costs import cpu_name
+
+    name = machine_name("cpu")
+    assert cpu_name() in name and f"{_C.cpu_isa()} ops" in name and f"{torch.get_num_threads()} threads" in name

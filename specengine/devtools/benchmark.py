@@ -120,11 +120,19 @@ class Tally:
 
 
 def machine_name(device: torch.device | str = "cpu") -> str:
-    """The GPU's name, or the CPU's architecture and the threads torch uses on it."""
+    """The GPU's name, or the CPU's model name, the vector instructions the C++ ops use on it and
+    the threads torch uses (figures differ by CPU kind: every result names it)."""
+    from ..engine.costs import cpu_name
+
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    try:
+        from .. import _C
+        isa = f", {_C.cpu_isa()} ops"
+    except ImportError:
+        isa = ""
+    return f"{cpu_name()} ({platform.machine()}{isa}), {torch.get_num_threads()} threads"
 
 
 @torch.inference_mode()
