@@ -172,6 +172,14 @@ def test_other_load_counts_other_processes_not_this_one():
     assert cores is None or 0.0 <= cores <= os.cpu_count()
 
 
+def test_other_load_never_exceeds_the_machines_cores(monkeypatch):
+    """Ticks counted over a few milliseconds can add up to more busy time than wall time allows."""
+    cores = os.cpu_count()
+    readings = iter([(0.0, 100.0, 1.0), (0.01, 100.0 + 0.03 * cores, 1.0)])  # 3x the cores' worth in 10 ms
+    monkeypatch.setattr(OtherLoad, "_ticks", staticmethod(lambda: next(readings)))
+    assert OtherLoad().cores() == cores
+
+
 @pytest.mark.parametrize("content", [
     "{", "", "[]", "null", '{"key": 3}', '{"costs": {}}',
     json.dumps({"key": KEY, "costs": []}),

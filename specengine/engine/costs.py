@@ -155,7 +155,9 @@ class OtherLoad:
         if self._start is None or end is None or end[0] <= self._start[0]:
             return None
         wall, busy, own = (b - a for a, b in zip(self._start, end))
-        return max(0.0, busy - own) / wall
+        # /proc/stat and os.times count whole clock ticks (1/SC_CLK_TCK s per CPU): over a short
+        # span their rounding alone can exceed the machine's cores, which no load can.
+        return min(max(0.0, busy - own) / wall, float(os.cpu_count() or 1))
 
 
 def files_identity(path: str | Path) -> list[list]:
