@@ -94,6 +94,7 @@ class Engine:
                                    drafter is not None and bool(drafter.feature_layers),
                                    self.max_seq_len, config.rounds_per_read, self.gamma,
                                    lambda: self.gamma_controller, target.tp)
+        self.runner.rows_broken = self.scheduler.rows_broken
         self.outputs = Outputs(tokenizer, self.eos_token_ids, self.max_seq_len)
         self._costs = costs
         # Ranks of a split target time their calls together (collectives): a store read by one
@@ -223,18 +224,18 @@ class Engine:
         except BaseException as exc:
             # A failed prefill ends the requests being prefilled; a failed round, every row's (their
             # rows are in no known state). The others keep being served.
-            runner.release(scheduler.fail(plan, runner.part, exc), scheduler.rows_broken)
+            runner.release(scheduler.fail(plan, runner.part, exc))
             raise
         failure = self._apply(plan, outcome)
         if not plan.decoding:
             return outputs
         if failure is not None:
             # Only the broken rows ended; what the others gained is reported with the next step.
-            runner.release(scheduler.release(report=True), scheduler.rows_broken)
+            runner.release(scheduler.release(report=True))
             raise failure
         if report:
             outputs += [self.outputs.output(r) for r in plan.decoding]
-        runner.release(scheduler.release(), scheduler.rows_broken)
+        runner.release(scheduler.release())
         return outputs
 
     def _cover_costs(self):
@@ -277,7 +278,7 @@ class Engine:
         release = self.scheduler.abort(request_id)
         if release is None:
             return False
-        self.runner.release(release, self.scheduler.rows_broken)
+        self.runner.release(release)
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -81,6 +81,10 @@ class ModelRunner:
         self.batch = RunningBatch(drafter, max_seq_len, target.device,
                                   self.target_steps.new_batch(0) if self.target_steps is not None else None)
         self.part: str | None = None  # the part of a plan being carried out: "prefill" or "rounds"
+        # What release calls when moving rows fails (Scheduler.rows_broken, set by the engine once
+        # its scheduler, built on this runner's batch, exists): given "prefilling" or "running"
+        # and the exception, it ends those rows' requests and returns the rows to drop.
+        self.rows_broken: Callable[[str, BaseException], RowRelease] | None = None
 
     def staged_row(self, request: Request) -> Prefilling:
         """A request's staged row before anything is in it: its prefill in units, as the scheduler
@@ -132,10 +136,12 @@ class ModelRunner:
         self.part = None
         return PrefillDone(tokens, share, time.perf_counter() - start)
 
-    def release(self, release: RowRelease, broken: Callable[[str, BaseException], RowRelease]):
+    def release(self, release: RowRelease):
         """Free the rows the scheduler released. Should a move fail, its rows are in no known
-        state: broken("prefilling" or "running", exc) ends their requests (Scheduler.rows_broken)
-        and says which rows to drop, which are dropped whatever state they are in."""
+        state: rows_broken("prefilling" or "running", exc) ends their requests and says which rows
+        to drop, which are dropped whatever state they are in."""
+        if self.rows_broken is None:
+            raise RuntimeError("ModelRunner.release needs rows_broken set (the scheduler's) before it frees rows")
         batch = self.batch
         if release.all_rows:
             batch.clear()
@@ -147,13 +153,13 @@ class ModelRunner:
                 batch.drop_prefilling(list(release.prefilling))
             except Exception as exc:  # noqa: BLE001 (contained: the other joiners end with the reason)
                 log.exception("freeing the row of a request being prefilled failed; those being prefilled end")
-                self.release(broken("prefilling", exc), broken)
+                self.release(self.rows_broken("prefilling", exc))
         if release.keep is not None:
             try:
                 batch.keep(list(release.keep))
             except Exception as exc:  # noqa: BLE001 (contained: the survivors end with the reason)
                 log.exception("freeing the rows of ended requests failed; the running requests end")
-                self.release(broken("running", exc), broken)
+                self.release(self.rows_broken("running", exc))
 
     # ---- prefill ----------------------------------------------------------------------------------
 
