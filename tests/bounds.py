@@ -24,8 +24,8 @@ gamma(3K + 1) (1 + 2^-7). Weights are exact inputs here: dequantized GGUF blocks
 bfloat16 give every implementation the same float32 weights. Underflow (or a flush to zero)
 adds at most 2^-126 a rounding: n 2^-126 more, absolute.
 
-Single operations (tracked_rope, tracked_attention, attention_error_bound): a first-order
-running error analysis (Wilkinson; Higham section 3.3). Alongside each float64 value v it
+Single operations (tracked_rope, tracked_attention, attention_error_bound, warp_error_bound): a
+first-order running error analysis (Wilkinson; Higham section 3.3). Alongside each float64 value v it
 carries e >= |float32 computation - v|, elementwise: what the operation does to its inputs'
 errors (the derivative's absolute value times e) plus its own rounding, bounded as products
 are (gamma of the number of roundings a term passes through, times the terms' magnitude); each
@@ -935,6 +935,43 @@ def t5_block_bounds(x, w, heads: int, head_dim: int, activation: str, gated: boo
             outs.append(_add(y, _linear(h, wo, None, terms, r), r))
         return torch.stack(outs), ks, vs
     return _estimate(run)
+
+
+# ---- warped probabilities --------------------------------------------------------------------
+
+def warp_error_bound(logits: torch.Tensor, temperature: float, probs: torch.Tensor) -> torch.Tensor:
+    """Bound [V] (float64) on |sampling.warp.warp_probs's float32 probabilities - exact| for one
+    row: logits [V] float32 (exact inputs), temperature the exact value (the engine is given it
+    rounded to float32), probs [V] the exact warped probabilities (float64; zero where the filters
+    drop a token). It bounds the values where the float32 filters keep the same tokens as the
+    exact ones; a filter's decision within rounding of its threshold differs by a whole
+    probability, which no bound on the values covers. A greedy row (temperature 0) is an exact
+    one-hot: bound 0.
+
+    The float32 operations, for the exact z = (x - max x) / T, w = exp(z), q = w / sum_kept w:
+    z's shift by the row max and its division by T are one rounding each, and T itself is
+    rounded to float32: z within gamma(3) |z|. The softmax's own max subtraction is exact (the
+    row max of z is 0). exp adds C_F u, and moves by exp(z) dz with z's error: w_i within
+    a_i = C_F u + gamma(3) |z_i| of exact, relative. The softmax divides by the total S of its
+    terms (a division, or a reciprocal and a product: 2 u), S one number for the row whatever its
+    own rounding; the filters only zero entries; the renormalisation divides again by P, the sum
+    of the kept p_j (up to V terms in any order: gamma(V - 1)), then one division (u). S cancels
+    between the two divisions, so, first order (as the module's single operations),
+        |q32_i - q_i| <= q_i (a_i + sum_j q_j a_j + 2 u + 2 u + gamma(V - 1) + u).
+    Underflow adds at most 2^-126 to w_i (then divided by sum_kept w >= 1: the top token's
+    w is exp(0) = 1), to p_i and to each of P's terms (P >= the top token's 1 / S >= 1 / V, so
+    each counts up to V times, and P's relative error times q_i <= 1), and to q_i: at most
+    (V + 1)^2 2^-126 in all, absolute.
+    """
+    V = logits.shape[-1]
+    if temperature == 0:
+        return torch.zeros(V, dtype=torch.float64)
+    x = logits.detach().cpu().double()
+    q = probs.detach().cpu().double()
+    z = (x - x.amax()) / temperature
+    a = C_F * U + gamma(3) * torch.where(q > 0, z.abs(), 0.0)  # dropped tokens: -inf, and 0 either way
+    relative = a + (q * a).sum() + 5 * U + gamma(max(V - 1, 0))
+    return q * relative + (V + 1) ** 2 * UNDERFLOW
 
 
 # ---- tokens across different arithmetic ------------------------------------------------------
