@@ -16,8 +16,9 @@
 #   kernels-step          step kernels against the torch path (long prompts, head     140 s    70-100 s
 #                         sizes 8-128, windows, padding), bf16 models, the engine on
 #                         the kernels in fixed-shape steps (head_dim 64 and 128)
-#   tests-engine          graph replay, device blocks and greedy decoding on CUDA     140 s    40-70 s
-#                         with the compiled kernels (head_dim 64 and 128), no fallback
+#   tests-engine          graph replay, device blocks and greedy decoding on CUDA     140 s    45-80 s
+#                         with the compiled kernels (head_dim 64 and 128), no fallback;
+#                         the EAGLE-3 head's draft phases captured, in blocks too
 #   greedy-vs-hf          the shipped pair's greedy output against transformers'       140 s    30-50 s
 #                         generate on the GPU, float32 (the last goal; run here for
 #                         the idle cores)
@@ -184,7 +185,7 @@ SHARD="exact or low_precision or huge or thresholds or temperature_only"
 pytest_step kernels-verify-a 140 tests/test_verify_kernels.py tests/test_sample_warped.py -k "triton and ($SHARD)"
 pytest_step kernels-verify-b 140 tests/test_verify_kernels.py tests/test_sample_warped.py -k "triton and not ($SHARD)"
 pytest_step kernels-step 140 tests/test_step_kernels.py
-pytest_step tests-engine 140 tests/test_graphs.py tests/test_device_rounds.py tests/test_engine_greedy.py -m gpu
+pytest_step tests-engine 140 tests/test_graphs.py tests/test_device_rounds.py tests/test_engine_greedy.py tests/test_eagle3.py -m gpu
 launch greedy-vs-hf 140 "$PY" bench/check_greedy_vs_hf.py --pair shipped --device cuda --prompts 8 --new-tokens 64 \
   --out "$WORK/greedy-vs-hf-gpu.json"
 launch warm-graphs 140 "$PY" bench/bench_graphs.py --device cuda --target widened --widened-layers 1 --batches 1 8 \

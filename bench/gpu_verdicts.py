@@ -44,6 +44,7 @@ THEOREM_TOLERANCE = 0.10      # Theorem 3.8's prediction against the measured sp
 FALLBACK_LOG_LINE = "the Triton step kernels failed"  # models.llama's warning when it falls back
 TEST_FALLBACK_MESSAGE = "the Triton kernels fell back"  # tests/engine_util.assert_kernels_ran's failure
 KERNEL_TEST_FILES = ("test_verify_kernels", "test_sample_warped")  # the exact-distribution tests
+EAGLE3_TEST_FILES = ("test_eagle3",)  # its GPU tests: the head's draft phases captured, in blocks too
 
 
 @dataclass
@@ -336,12 +337,22 @@ def junit_counts(results: Results, prefix: str, files: tuple[str, ...]) -> dict 
 
 
 def kernel_tests_verdict(results: Results) -> Verdict:
-    goal = "compiled Triton exact-distribution tests"
-    threshold = "all pass"
     if "kernel_tests" in results.legacy:
         return results.legacy["kernel_tests"]
-    counts = junit_counts(results, "kernels", KERNEL_TEST_FILES)
-    cut = any(results.step_cut(s) for s in results.steps if s.startswith("kernels-verify"))
+    return tests_verdict(results, "compiled Triton exact-distribution tests", "kernels", KERNEL_TEST_FILES)
+
+
+def eagle3_verdict(results: Results) -> Verdict:
+    return tests_verdict(results, "EAGLE-3 head in captured rounds: greedy = target-only, sampling = eager",
+                         "tests-engine", EAGLE3_TEST_FILES)
+
+
+def tests_verdict(results: Results, goal: str, prefix: str, files: tuple[str, ...]) -> Verdict:
+    """The goal of the tests of `files` in the steps whose junit files start junit-<prefix>: all
+    that ran passed, some ran, and their steps were not cut short."""
+    threshold = "all pass"
+    counts = junit_counts(results, prefix, files)
+    cut = any(results.step_cut(s) for s in results.steps if s.startswith(prefix))
     if counts is None or counts["tests"] == 0:
         return Verdict(goal, NOT_MEASURED, threshold=threshold, note="step cut short" if cut else "no junit XML")
     ran = counts["tests"] - counts["skipped"]
@@ -398,7 +409,7 @@ def _items(data, depth: int = 0):
 def verdicts(results: Results) -> list[Verdict]:
     return [kernel_tests_verdict(results), *verify_verdicts(results), *step_verdicts(results),
             *stored_verdicts(results), speedup_verdict(results), theorem_verdict(results), greedy_verdict(results),
-            fallback_verdict(results)]
+            eagle3_verdict(results), fallback_verdict(results)]
 
 
 # ---- an earlier run's report -----------------------------------------------------------------------

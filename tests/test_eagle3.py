@@ -17,7 +17,7 @@ from specengine.engine.gamma import CostModel
 from specengine.models.config import CheckpointError, ConfigError
 from specengine.models.eagle3 import Eagle3Head, is_eagle3_folder, load_eagle3
 
-from engine_util import tiny_model
+from engine_util import assert_kernels_ran, device_head_dims, tiny_model
 from stats_util import chi_square_pvalue
 
 HEADS, KV_HEADS = 4, 2
@@ -332,11 +332,11 @@ def test_capture_refuses_layers_the_target_lacks(target):
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
 
 
-def bigram_target(vocab_size=32, seed=0):
+def bigram_target(vocab_size=32, seed=0, head_dim=None):
     """A target whose layers add nothing (o_proj and down_proj zero): its next token is a function
     of the current one, b(x) = argmax of its logits on x's embedding. Its layers still run, write
     their caches and hand over features."""
-    target = tiny_model(vocab_size, seed=seed, logit_scale=3.0)
+    target = tiny_model(vocab_size, seed=seed, logit_scale=3.0, head_dim=head_dim)
     with torch.no_grad():
         for layer in target.model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -511,12 +511,102 @@ def test_chunks_cut_by_layers_joins_aborts_and_cached_prompts_keep_outputs(plant
     assert engine.prefix_cache.hit_tokens >= 64
 
 
-def test_fixed_shape_steps_run_host_rounds(planted, baseline):
-    """cuda_graphs on a CPU (the target's fixed-shape steps, eagerly; rounds_per_read asks for blocks,
-    which a feature drafter does not run): the same tokens."""
-    engine = eagle_engine(*planted, gamma=3, cuda_graphs=True, max_batch_size=4, rounds_per_read=4)
+@pytest.fixture
+def reads(monkeypatch):
+    """The rounds of every read the engine makes (more than one: a block run from device state)."""
+    from specengine.engine.rounds import RoundRunner
+    rounds, real = [], RoundRunner.run
+
+    def spy(runner, batch, gamma, rounds_per_read):
+        results, made = real(runner, batch, gamma, rounds_per_read)
+        rounds.append(results[0].rounds)
+        return results, made
+    monkeypatch.setattr(RoundRunner, "run", spy)
+    return rounds
+
+
+def sampled(n: int, temperature: float = 1.0):
+    return [SamplingParams(max_new_tokens=n, temperature=temperature, seed=s, ignore_eos=True) for s in range(3)]
+
+
+@pytest.mark.parametrize("rounds_per_read", [1, 4])
+def test_fixed_shape_steps_and_blocks_draft_as_eager_rounds(planted, baseline, rounds_per_read, reads):
+    """cuda_graphs on a CPU (the fixed-shape steps and draft phases, eagerly) with host rounds, or
+    blocks of rounds from device state whose catch-up is the round before's verification: greedy
+    output is target-only's, and seeded sampling (which follows q through every acceptance test)
+    gives the eager engine's tokens."""
+    options = dict(gamma=3, cuda_graphs=True, max_batch_size=4, rounds_per_read=rounds_per_read)
+    engine = eagle_engine(*planted, **options)
     assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == baseline
     assert engine.last_run_stats.accepted > 0
+    prompts = [prompt(9, 1), prompt(40, 2), [5, 3]]
+    want = [r.token_ids for r in eagle_engine(*planted, gamma=3).generate(prompts, sampled(24))]
+    del reads[:]
+    got = [r.token_ids for r in engine.generate(prompts, sampled(24))]
+    assert got == want
+    stats = engine.last_run_stats
+    assert stats.accepted > 0 and stats.rejections > 0
+    assert (max(reads) > 1) == (rounds_per_read > 1)  # blocks ran, or none was asked for
+
+
+@pytest.mark.parametrize("device, head_dim", device_head_dims())
+def test_graphs_replay_the_heads_draft_phases_as_eager(device, head_dim, tmp_path, reads):
+    """On CUDA: the head's draft phase captured (a graph per bucket and gamma for host rounds, and
+    inside each block's round graph) over the compiled step kernels, greedy output target-only's
+    and seeded sampling the eager engine's; on a CPU the same phases run eagerly."""
+    target = bigram_target(head_dim=head_dim)
+    folder = write_head(tmp_path / "head", head_config(target), planted_tensors(target))
+    target = target.to(device)
+    prompts = [prompt(9, 1), prompt(40, 2), [5, 3]]
+    greedy = [r.token_ids for r in Engine(target).generate(prompts, GREEDY)]
+    want = [r.token_ids for r in eagle_engine(target, folder, gamma=3).generate(prompts, sampled(24))]
+    engine = eagle_engine(target, folder, gamma=3, cuda_graphs=True, max_batch_size=4, rounds_per_read=4)
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == greedy
+    assert [r.token_ids for r in engine.generate(prompts, sampled(24))] == want
+    assert engine.last_run_stats.accepted > 0 and max(reads) > 1
+    head = engine.drafter.model
+    assert engine.target_steps.fallback_reason is None and engine.drafter.steps.fallback_reason is None
+    assert_kernels_ran(target, head)
+    if device == "cuda":
+        assert engine.target_steps.replays > 0 and engine.drafter.steps.replays > 0
+        assert any(key[0] == "round" and entry.graph is not None
+                   for key, entry in engine.target_steps.graphs.entries.items())
+
+
+def test_blocks_hand_the_head_the_verified_features_at_every_read(planted, monkeypatch, reads):
+    """Blocks between host rounds (rounds at gamma 0 before them, a row joining mid-run, seeded
+    sampling): after every read each row's head holds pairs up to some position and the target's
+    features of the rest of its sequence, equal to a whole forward's. (The tokens depend on the
+    gammas each row's rounds took, which differ from any engine's without blocks: the test
+    above compares tokens.)"""
+    target, folder = planted
+    specs = [(prompt(7, 3), SamplingParams(max_new_tokens=30, temperature=1.0, seed=1, ignore_eos=True)),
+             (prompt(33, 4), SamplingParams(max_new_tokens=26, temperature=0.8, seed=2, ignore_eos=True)),
+             (prompt(4, 5), SamplingParams(max_new_tokens=20, temperature=1.0, seed=3, ignore_eos=True))]
+    engine = eagle_engine(target, folder, gamma="auto", max_gamma=3, cuda_graphs=True, max_batch_size=4,
+                          rounds_per_read=4, costs={b: CostModel(0.1, (1.0, 1.05, 1.1, 1.15)) for b in (1, 4)})
+    gammas = iter([3, 0, 0, 3, 3, 0, 3] + [3] * 100)  # rounds at gamma 0 leave a row lacking more than a block feeds
+    monkeypatch.setattr(engine.scheduler, "choose_gamma", lambda decoding: next(gammas))
+    ids = [engine.add_request(*specs[0]), engine.add_request(*specs[1])]
+    outputs, steps, checked, accepted = {}, 0, 0, 0
+    drafter = engine.drafter
+    while engine.has_unfinished_requests() or engine.has_pending_outputs():
+        if steps == 3:
+            ids.append(engine.add_request(*specs[2]))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            accepted += out.stats.accepted if out.finished else 0
+        steps += 1
+        with torch.inference_mode():
+            for b, request in enumerate(engine.scheduler.batch.requests):
+                sequence = request.tokens
+                held = drafter.fed[b] + drafter.pending[b].shape[0]
+                assert held == len(sequence) - 1
+                target(torch.tensor([sequence[:-1]]), torch.tensor([0]), target.new_cache(1, len(sequence)))
+                torch.testing.assert_close(drafter.pending[b], target.features[0, drafter.fed[b]:], rtol=1e-5, atol=1e-5)
+                checked += 1
+    assert [len(outputs[i]) for i in ids] == [s.max_new_tokens for _, s in specs]
+    assert checked > 10 and max(reads) > 1 and accepted > 0
 
 
 def test_every_rounds_q_is_the_heads_over_the_verified_features(target, tmp_path, monkeypatch):
@@ -676,21 +766,25 @@ def test_a_server_drafts_with_the_head_and_counts_it(text_pair, tmp_path):
         "specengine:spec_decode_num_accepted_tokens_total", 0) == accepted
 
 
-def test_greedy_equals_target_only_on_the_triton_kernels(tmp_path):
-    """Target and head on the Triton step kernels (in the interpreter here): the features come from
-    the Triton forward (its norms update the residual in place), and greedy output is target-only's."""
+@pytest.mark.parametrize("options", [{}, dict(cuda_graphs=True, max_batch_size=2, rounds_per_read=4)],
+                         ids=["host-rounds", "blocks"])
+def test_greedy_equals_target_only_on_the_triton_kernels(tmp_path, options, reads):
+    """Target and head on the Triton step kernels (in the interpreter here), in host rounds or in
+    blocks from device state: the features come from the Triton forward (its norms update the
+    residual in place), and greedy output is target-only's."""
     if torch.cuda.is_available():
         pytest.skip("the Triton path runs here in the interpreter, on CPU tensors")
     target = bigram_target()
     folder = write_head(tmp_path / "head", head_config(target), planted_tensors(target))
-    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    # Blocks need rows with room for two full rounds after the host round that feeds the prompt.
+    params = SamplingParams(max_new_tokens=16 if options else 8, temperature=0, ignore_eos=True)
     prompts = [prompt(7, 1), prompt(3, 2)]
     want = [r.token_ids for r in Engine(target).generate(prompts, params)]
     target.use_backend("triton")
-    engine = eagle_engine(target, folder, gamma=3)
+    engine = eagle_engine(target, folder, gamma=3, **options)
     engine.drafter.model.use_backend("triton")
     assert [r.token_ids for r in engine.generate(prompts, params)] == want
-    assert engine.last_run_stats.accepted > 0
+    assert engine.last_run_stats.accepted > 0 and (max(reads) > 1) == bool(options)
     assert target.triton_fallback_reason is None and engine.drafter.model.triton_fallback_reason is None
 
 

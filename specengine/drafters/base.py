@@ -82,15 +82,29 @@ class Drafter(Protocol):
         on a GPU): steps.cache becomes the staged_cache. A drafter without a model has nothing to
         run there."""
 
-    def runs_in_device_rounds(self, sequences: list[list[int]]) -> bool:
-        """Whether the next rounds over these sequences may run from device state: the drafter's
-        whole draft phase is then device ops (draft_phase_in_round)."""
+    def runs_in_device_rounds(self, sequences: list[list[int]], gamma: int) -> bool:
+        """Whether the next rounds over these sequences, gamma drafts each, may run from device
+        state: the drafter's whole draft phase is then device ops (draft_phase_in_round)."""
         return False
+
+    def device_round_state(self, sequences: list[list[int]], bucket: int, gamma: int) -> tuple[torch.Tensor, ...]:
+        """Before a block of rounds from device state over these sequences (a bucket of `bucket`
+        rows, gamma drafts a round): the device tensors the block's draft phases read and write,
+        filled from the host's state. The rounds update them in place (a graph capture's warm-up
+        runs are undone on them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft in rounds run from device state")
 
     def draft_phase_in_round(self, last_two: torch.Tensor, lengths: torch.Tensor, real: torch.Tensor,
                              sampling: SamplingBatch, G: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft phase of a round run from device state (see ModelDrafter)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft in rounds run from device state")
+
+    def take_features_in_round(self, features: torch.Tensor, emitted: torch.Tensor, counts: torch.Tensor,
+                               lengths: torch.Tensor, real: torch.Tensor) -> None:
+        """With feature_layers, inside a round run from device state, after its verification: the
+        verification forward's features [bucket, G+1, F] float32, the tokens emitted [bucket, G+1]
+        int64 (-1 past counts [bucket]), the rows' lengths before the round [bucket] int64 and which
+        rows are real [bucket] bool; device ops only (see drafters.eagle3)."""
 
     def verified(self, starts: list[int], gamma: int, lengths: list[int]) -> None:
         """After a read of rounds that checked this drafter's drafts (a host round, or a block run

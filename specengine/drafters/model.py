@@ -49,6 +49,21 @@ def sample_drafts(logits: torch.Tensor, positions: torch.Tensor, sampling: Sampl
     return torch.stack(tokens, 1), torch.stack(qs, 1)
 
 
+def sampling_buffers(bucket: int, device) -> dict[str, torch.Tensor]:
+    """Static buffers of a bucket's sampling parameters (SamplingBatch's fields, [bucket] each) for
+    a captured draft phase (padding rows hold whatever they held last: their drafts are never used)."""
+    return dict(temperature=torch.zeros(bucket, device=device),
+                top_k=torch.zeros(bucket, dtype=torch.int64, device=device),
+                top_p=torch.ones(bucket, device=device), min_p=torch.zeros(bucket, device=device),
+                seeds=torch.zeros(bucket, dtype=torch.int64, device=device))
+
+
+def fill_sampling_buffers(buffers: dict[str, torch.Tensor], sampling: SamplingBatch):
+    """Copy the rows' sampling parameters into the first rows of sampling_buffers'."""
+    for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
+        buffers[name][:len(getattr(sampling, name))].copy_(getattr(sampling, name))
+
+
 class ModelDrafter(Drafter):
     # A round's catch-up is 1 or 2 tokens per row: the last token, and the last draft after full
     # acceptance. The fixed-shape phase always feeds the last 2 (one of them again when the cache
@@ -135,14 +150,10 @@ class ModelDrafter(Drafter):
         key = ("draft phase", bucket, G, sampling.filters)
         buffers = self.steps.graphs.buffers(key, lambda: dict(
             chunks=torch.zeros(bucket, W, dtype=torch.int64, device=device),
-            rows=torch.zeros(3, bucket, dtype=torch.int64, device=device),
-            temperature=torch.zeros(bucket, device=device), top_k=torch.zeros(bucket, dtype=torch.int64, device=device),
-            top_p=torch.ones(bucket, device=device), min_p=torch.zeros(bucket, device=device),
-            seeds=torch.zeros(bucket, dtype=torch.int64, device=device)))
+            rows=torch.zeros(3, bucket, dtype=torch.int64, device=device), **sampling_buffers(bucket, device)))
         buffers["chunks"].copy_(to_device(chunks, torch.int64, device))
         buffers["rows"].copy_(to_device([starts, lengths, last], torch.int64, device))
-        for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
-            buffers[name][:B].copy_(getattr(sampling, name))
+        fill_sampling_buffers(buffers, sampling)
 
         def phase(chunks, rows, temperature, top_k, top_p, min_p, seeds):
             bucket_sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, sampling.filters)
@@ -192,12 +203,17 @@ class ModelDrafter(Drafter):
 
     # ---- rounds run from device state
 
-    def runs_in_device_rounds(self, sequences: list[list[int]]) -> bool:
+    def runs_in_device_rounds(self, sequences: list[list[int]], gamma: int) -> bool:
         """With static steps, whether each row's cache lacks at most the fixed-shape catch-up's
         last tokens (all that a round run from device state feeds it; after rounds at gamma 0 it
         lacks more)."""
         return self.steps is not None and all(len(seq) - min(fed, len(seq) - 1) <= self.CATCH_UP_WIDTH
                                               for seq, fed in zip(sequences, self.fed))
+
+    def device_round_state(self, sequences: list[list[int]], bucket: int, gamma: int) -> tuple[torch.Tensor, ...]:
+        """The draft cache's lengths [bucket]: a round's catch-up reads its inputs from the round's
+        log (each row's last two tokens), and its draft phase and verification set these."""
+        return (self.steps.cache.row_lengths(bucket),)
 
     def verified(self, starts: list[int], gamma: int, lengths: list[int]):
         """The last round's draft phase fed each row up to its gamma - 1st draft (every row of the

@@ -224,9 +224,9 @@ class RoundRunner:
     def _rounds_before_read(self, sequences: list[list[int]], gamma: int, most: int) -> int:
         """The plan's rounds per read, or one (a host round) where the drafter cannot draft from
         device state now: what the scheduler cannot see."""
-        if most > 1 and self.drafter is not None and self.drafter.feature_layers:
-            return 1  # a feature drafter takes each verification's features, which a host round hands over
-        if most > 1 and gamma > 0 and not self.drafter.runs_in_device_rounds(sequences):
+        if most > 1 and gamma == 0 and self.drafter is not None and self.drafter.feature_layers:
+            return 1  # a feature drafter takes every verification's features: a round that drafts nothing hands them over
+        if most > 1 and gamma > 0 and not self.drafter.runs_in_device_rounds(sequences, gamma):
             return 1  # a host round first: its catch-up feeds the draft model what rounds at gamma 0 skipped
         return most
 
@@ -349,21 +349,28 @@ class RoundRunner:
         buffers["log"].copy_(to_device(layout.start(sequences, bucket - B, capacity), torch.int64, device))
         for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
             buffers[name][:B].copy_(getattr(sampling, name))
-        round_fn = lambda **b: self._device_round(layout, sampling.filters, **b)  # noqa: E731
-        # A round advances its own log and both caches' lengths: a capture's warm-ups are undone.
-        lengths = (steps.cache.row_lengths(bucket),) + ((drafter.steps.cache.row_lengths(bucket),) if gamma > 0 else ())
+        # A round advances its own log, the target cache's lengths and the drafter's state: a
+        # capture's warm-ups are undone on them.
+        state = (steps.cache.row_lengths(bucket),) + (drafter.device_round_state(sequences, bucket, gamma)
+                                                       if gamma > 0 else ())
+        # Verification clips a draft model's staged cache to the target's (a feature drafter has none).
+        draft_cache = drafter.staged_cache(capacity) if gamma > 0 else None
+        draft_lengths = draft_cache.row_lengths(bucket) if draft_cache is not None else None
+        round_fn = lambda **b: self._device_round(layout, sampling.filters, draft_lengths, **b)  # noqa: E731
 
         @torch.inference_mode()
         def run_round() -> None:
             with self.phases("round"):
-                steps.graphs.run(key, round_fn, state=lengths)
+                steps.graphs.run(key, round_fn, state=state)
         return _ReadSetup(layout, buffers["log"][:B], rounds * gamma, run_round)
 
-    def _device_round(self, layout: RoundLog, filters: bool, log: torch.Tensor, temperature: torch.Tensor,
-                      top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> tuple:
+    def _device_round(self, layout: RoundLog, filters: bool, draft_lengths: torch.Tensor | None, log: torch.Tensor,
+                      temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                      seeds: torch.Tensor) -> tuple:
         """One round of the whole bucket from log [bucket, layout.columns] (the sampling parameters
         [bucket] each), written back into it with the next round's last two tokens and lengths.
-        Only device ops: a CUDA graph captures it whole."""
+        draft_lengths [bucket] int64: the draft model's cache lengths, which verification sets (None:
+        no draft cache). Only device ops: a CUDA graph captures it whole."""
         steps, G = self.target_steps, layout.gamma
         capacity, last_two, lengths = steps.cache.capacity, layout.last_two(log), layout.lengths(log)
         real = lengths < capacity  # padding rows sit at the spill slot
@@ -381,7 +388,9 @@ class RoundRunner:
             return steps.forward(inputs, positions)[0]
 
         _, emitted, counts = self._round(layout, log, proposal, sampling, forward, steps.cache.row_lengths(bucket),
-                                         self.drafter.steps.cache.row_lengths(bucket) if G > 0 else None, _UNMARKED)
+                                         draft_lengths, _UNMARKED)
+        if G > 0 and self.drafter.feature_layers:  # the next round's catch-up: what this one verified
+            self.drafter.take_features_in_round(steps.model.features, emitted, counts, lengths, real)
         # The next round's last two tokens: positions counts and counts + 1 of [last two, emitted].
         next_two = torch.stack([counts, counts + 1], dim=1)
         last_two.copy_(torch.cat([last_two, emitted.clamp(min=0)], dim=1).gather(1, next_two))
