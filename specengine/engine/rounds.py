@@ -384,13 +384,17 @@ class RoundRunner:
             proposal = Proposal(last_two[:, :0], num_drafts, None, 0)
         positions = torch.where(real, lengths - 1, capacity)  # [bucket]: each row's cache length
 
+        captured: list[torch.Tensor] = []  # the verification's features [bucket, G+1, F], when the target captures some
+
         def forward(inputs):  # [bucket, G+1] -> [bucket, G+1, V]
-            return steps.forward(inputs, positions)[0]
+            logits, *features = steps.forward(inputs, positions)
+            captured.extend(features)
+            return logits
 
         _, emitted, counts = self._round(layout, log, proposal, sampling, forward, steps.cache.row_lengths(bucket),
                                          draft_lengths, _UNMARKED)
         if G > 0 and self.drafter.feature_layers:  # the next round's catch-up: what this one verified
-            self.drafter.take_features_in_round(steps.model.features, emitted, counts, lengths, real)
+            self.drafter.take_features_in_round(captured[0], emitted, counts, lengths, real)
         # The next round's last two tokens: positions counts and counts + 1 of [last two, emitted].
         next_two = torch.stack([counts, counts + 1], dim=1)
         last_two.copy_(torch.cat([last_two, emitted.clamp(min=0)], dim=1).gather(1, next_two))

@@ -317,7 +317,9 @@ class Eagle3Head(RunsOnBackend):
         residual = normed if c.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(self.embed(tokens), impl), normed], dim=-1)  # [B, T, 2H]
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        cos, sin = rope_cos_sin(self._inv_freq.to(tokens.device), positions, self.dtype)
+        if self._inv_freq.device != tokens.device:  # moved once: a copy from the host cannot be captured in a CUDA graph
+            self._inv_freq = self._inv_freq.to(tokens.device)
+        cos, sin = rope_cos_sin(self._inv_freq, positions, self.dtype)
         mask = attention_mask(positions, kv_len, None) if impl == "reference" else None
         cache_k, cache_v = cache.layer(0)
         attn = cached_attention(q.view(B, T, c.num_heads, c.head_dim), k.view(B, T, c.num_kv_heads, c.head_dim),

@@ -154,9 +154,12 @@ class FixedShapeSteps:
         return batch_bucket(batch_size, self.cache.allocated_rows)
 
     def __call__(self, tokens: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] int64, start_pos [B] int64 (each row's first position, its cache length)."""
+        """tokens [B, T] int64, start_pos [B] int64 (each row's first position, its cache length).
+        A model that captures features (LlamaForCausalLM.capture_features) has this call's in its
+        `features` afterwards ([B, T, F]), replayed or not."""
         B, T = tokens.shape
         bucket, capacity, device = self.bucket(B), self.cache.capacity, tokens.device
+        # (Whether the model captures features is fixed per engine: its runner sets it every step.)
         key = (bucket, T)
         # Padding rows start at the spill slot: their writes land where no query reads, so they
         # never touch a live cache entry.
@@ -167,10 +170,14 @@ class FixedShapeSteps:
         buffers["start"][:B].copy_(start_pos)
         if B < bucket:  # rows a larger batch used before: back to the spill slot
             buffers["start"][B:].fill_(capacity)
-        (logits,) = self.graphs.run(key, self.forward)
+        logits, *features = self.graphs.run(key, self.forward)
+        if features:  # a replay runs no Python: the model's attribute still names the capture's tensor
+            self.model.features = features[0][:B]
         return logits[:B]
 
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor]:
-        """Logits [bucket, T, V] of a full bucket on the persistent cache (attention spans its capacity)."""
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Logits [bucket, T, V] of a full bucket on the persistent cache (attention spans its
+        capacity), and the features it captured [bucket, T, F] when the model captures some."""
         hidden = self.model(tokens, start, self.cache, kv_len=self.cache.capacity)
-        return (self.model.logits(hidden),)
+        features = (self.model.features,) if getattr(self.model, "feature_layers", ()) else ()
+        return (self.model.logits(hidden), *features)
