@@ -16,6 +16,8 @@ ext_modules = [
         "specengine._C",
         sources=["csrc/bindings.cpp", "csrc/blocks.cpp", "csrc/decoder.cpp", "csrc/gemm.cpp", "csrc/gemm_blocks.cpp", "csrc/layers.cpp",
                  "csrc/linear.cpp", "csrc/ngram.cpp", "csrc/verify.cpp"],
+        # (headers and blocks.cpp's shared vector design: a change to them rebuilds the module)
+        depends=[str(p) for p in sorted(Path("csrc").glob("*.h"))] + ["csrc/blocks_simd.inc"],
         cxx_std=17,
         # -ffp-contract=off: blocks.cpp's weights must be gguf's float32 values, each multiply and
         # add rounded on its own, and GCC would otherwise fuse any a * b + c (even one written with

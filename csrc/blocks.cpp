@@ -3,15 +3,19 @@
 // Decoding streams every weight once per step, so the bytes read set the speed, and a block
 // format reads fewer of them than bfloat16 (Q4_1: 5 bits a weight against 16). What it costs
 // instead is the arithmetic that turns a block into float32 weights, paid once per weight per
-// row tile: a group of 4 weight rows has its blocks' scales converted once, then its blocks are
-// dequantized into registers and multiplied against all rows of x at once (up to kDirectRows),
-// or, past kDirectRows rows, dequantized once into an L1 buffer that tiles of rows run over. (So
-// the AVX-512 path; the AVX2 one, below, takes up to 8 rows of x in one register tile.)
+// row tile: a group of weight rows has its blocks dequantized into registers and multiplied
+// against all rows of x at once (up to the width's kDirectRows), or, past them, dequantized once
+// into an L1 buffer that tiles of rows run over. That design is written once
+// (blocks_simd.inc) and compiled at two widths, AVX2 and AVX-512, each with its formats'
+// decoders and the choices its measurements made (how many rows a register tile takes, whether
+// scales are converted ahead, the buffered tiles' shape).
 //
-// The 4- and 5-bit formats dequantize through a table: a block's (or sub-block's) weights take
-// only 16 (32) values, d * q + m for q = 0..15, one 512-bit register (two) built by one FMA,
+// AVX-512's 4- and 5-bit formats dequantize through a table: a block's (or sub-block's) weights
+// take only 16 (32) values, d * q + m for q = 0..15, one 512-bit register (two) built by one FMA,
 // which is exact here (see exact_affine); each weight is then a lookup (vpermps; vpermt2ps)
 // indexed by its nibble, which ignores the bits above the index, so nibbles need no masking.
+// AVX2 has no 16-entry lookup (its vpermps indexes 8 lanes): a nibble becomes a weight by
+// widening, a conversion and one exact FMA.
 //
 // Every path (AVX-512, AVX2, portable) sums a row's products in one order of its own, the same
 // for any R and whether its weights came from registers or the buffer: per (row of x, weight
@@ -38,15 +42,6 @@ namespace {
 
 #define SPECENGINE_INLINE inline __attribute__((always_inline))
 
-// How far ahead of the block being dequantized its thread's weight stream is prefetched, into
-// L2: linear.cpp's distance, tuned for the same kind of stream on the same kind of machine.
-constexpr int64_t kPrefetchBytes = 16384;
-// AVX-512 path: rows of x up to which blocks are dequantized into registers, in one tile with
-// every row; from kDirectRows + 1 rows on, a group's rows are dequantized once into an L1
-// buffer first, which tiles of up to kBufferedRows rows read. (A register tile of more rows
-// keeps more rows of x in L1 than it holds: measured slower, bench/results/avx512-direct-rows-2026-12-03.md.)
-// The AVX2 path has its own bound, kDirectRowsAvx2.
-constexpr int64_t kDirectRows = 4;
 // Weight rows per group: dequantized together, each thread's rows a whole number of groups.
 constexpr int64_t kGroupRows = 4;
 // The products' vectors of partial sums cover k in steps of 32 weights (a legacy block); the
@@ -184,7 +179,7 @@ using TailWeight = float (*)(const uint8_t* row, int64_t k);
 // (n - begin)] (out's rows N apart) with bias[column + ...].
 struct Slice {
   const float* x;
-  const float* x_lanes;  // AVX-512: x [R, K32] in lane order (see Avx512Blocks), where a part needs it
+  const float* x_lanes;  // AVX-512: x [R, K32] in lane order (see the AVX-512 Blocks), where a part needs it
   float* scratch;        // AVX-512: this thread's room for a group's scales (K / 2 + 16 floats)
   int64_t R, K, K32;
   TailWeight tail;      // the part's type's float_weight
@@ -257,34 +252,62 @@ SPECENGINE_INLINE __m128i scale_min_k4_bytes(const uint8_t* p) {
                         static_cast<int>(m_hi));
 }
 
-// ---- AVX2 path -------------------------------------------------------------------------------
-// The AVX-512 path's design on 8-lane vectors: a block is dequantized into registers, 8 weights
-// at a time in natural order, and multiplied against every row of x while there, up to
-// kDirectRowsAvx2 rows; past them, a group of weight rows is dequantized once into a buffer that
-// tiles of 6 rows of x run over. Without a 16-entry permute, a nibble becomes a weight by
-// widening (vpmovzxbd), an integer to float conversion and one FMA, exact as exact_affine
-// (AVX-512 path, below) explains. Each (row of x, weight row) has one vector of partial sums over
-// k in steps of 8, the same from registers or the buffer. (F16C converts the scale fields: every AVX2 CPU has it, the path
-// still asks.) For one row of x the scales bound the loop: converting them into an array and
-// reading them back is a large share of the work (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md), so a
-// one-tile call broadcasts the legacy types' d and m into registers straight from the block.
-#define BLOCKS_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define BLOCKS_AVX2_INLINE BLOCKS_AVX2 SPECENGINE_INLINE
-
-// kPrefetchBytes for this path, not linear.cpp's: 4 KB ahead was the best distance for these
-// loops on an AVX2 CPU (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
-constexpr int64_t kPrefetchBytesAvx2 = 4096;
+// ---- The vector paths: one design at two widths -------------------------------------------
+// blocks_simd.inc holds the tiles, the buffered path, the dequantization and a thread's slice,
+// written once; each width below provides its vector operations, its formats' decoders (Blocks,
+// Group) and its measured choices, and includes it under its own instruction-set target.
 
 bool use_blocks_avx2() {
   static const bool f16c = __builtin_cpu_supports("f16c");
   return f16c && use_avx2();
 }
 
+// (F16C for the scale fields: every CPU with AVX-512 has it.)
+bool use_blocks_avx512() {
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  return f16c && use_avx512();
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+// ---- AVX2: 8 lanes ---------------------------------------------------------------------------
+// A group of 32 weights is 4 vectors of 8 in natural order, each made as it is used (Group: one
+// live at a time in 16 registers). Without a 16-entry permute, a nibble becomes a weight by
+// widening (vpmovzxbd), an integer to float conversion and one FMA, exact as exact_affine
+// (AVX-512, below) explains. F16C converts the scale fields (every AVX2 CPU has it; the path
+// still asks). For one row of x the scales bound the loop: converting them into an array and
+// reading them back is a large share of the work (measured: see
+// bench/results/kernel-tuning-2026-11-29-to-12-03.md), so a tile broadcasts the legacy types' d
+// and m into registers straight from the block.
+
+using V = __m256;
+constexpr int kLanes = 8;
+// 4 KB ahead was the best distance for these loops on an AVX2 CPU (measured: see
+// bench/results/kernel-tuning-2026-11-29-to-12-03.md).
+constexpr int64_t kPrefetch = 4096;
+// Up to 8 rows the registers are faster than the buffer's store and reload; past them the
+// buffer is faster than tiles that each dequantize again (measured: see
+// bench/results/kernel-tuning-2026-11-29-to-12-03.md). 5 to 8 rows take one weight row at a
+// time, every block dequantized once for all rows.
+constexpr int64_t kDirectRows = 8;
+constexpr int64_t kMultiColumnRows = 4;
+constexpr bool kScalesAhead = false;  // for one row of x the scales bound the loop (above)
+constexpr bool kHoistX = false;       // up to 8 rows x 4 vectors of x: more than 16 registers
+// Buffered tiles: up to 6 rows x 2 weight rows (12 accumulators, 2 weight vectors, one of x).
+constexpr int64_t kBufferCols = 2, kBufferedRows = 6, kOneTileRows = 0;
+
+SPECENGINE_INLINE V vzero() { return _mm256_setzero_ps(); }
+SPECENGINE_INLINE V vload(const float* p) { return _mm256_loadu_ps(p); }
+SPECENGINE_INLINE void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+SPECENGINE_INLINE V vfmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+SPECENGINE_INLINE V to_natural_order(V v) { return v; }  // (no format here has a lane order)
+
 // Bytes p[0..7] as 8 int32 lanes: unsigned, signed.
-BLOCKS_AVX2_INLINE __m256i widen_u8(const uint8_t* p) {
+SPECENGINE_INLINE __m256i widen_u8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-BLOCKS_AVX2_INLINE __m256i widen_i8(const uint8_t* p) {
+SPECENGINE_INLINE __m256i widen_i8(const uint8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
@@ -295,7 +318,7 @@ alignas(32) constexpr uint32_t kBitMasks[32] = {
     1u << 22, 1u << 23, 1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31};
 
 // All ones in the lanes l of piece v whose bit 8 v + l of qh (broadcast) is set.
-BLOCKS_AVX2_INLINE __m256i fifth_bit_set(__m256i qh, int v) {
+SPECENGINE_INLINE __m256i fifth_bit_set(__m256i qh, int v) {
   const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(kBitMasks + 8 * v));
   return _mm256_cmpeq_epi32(_mm256_and_si256(qh, mask), mask);
 }
@@ -303,7 +326,7 @@ BLOCKS_AVX2_INLINE __m256i fifth_bit_set(__m256i qh, int v) {
 // A format's blocks in 256-bit registers:
 //   scales(b, s)                   the block's kScales float32 scales, written to s (once, ahead)
 //   piece<kProduct>(s, b, g, v)    its weights 32 g + 8 v .. 32 g + 8 v + 7 (g < kGroups, v < 4);
-//                                  the legacy 4-, 5- and 8-bit types' pieces are Avx2Group's
+//                                  the legacy 4-, 5- and 8-bit types' pieces are Group's
 // kProduct: the piece goes into a product, not to memory. Such a piece may differ from gguf's
 // bits in the sign of a zero weight, which no sum can see (an accumulator starts at +0, and
 // x * (+-0) added to it leaves it as it is), so an offset code's weight d (q - c) can be one
@@ -311,11 +334,13 @@ BLOCKS_AVX2_INLINE __m256i fifth_bit_set(__m256i qh, int v) {
 // d (q - c) once, as gguf's product does; only q = c gives +0 where gguf gives -0 for d < 0.
 // The float types are taken as "blocks" of 32 weights.
 template <WeightType T>
-struct Avx2Blocks {
+struct Blocks {
   static constexpr WeightTypeLayout L = layout_of(T);
   static constexpr bool kFloat = L.block_weights == 1;
   static constexpr int64_t kWeights = kFloat ? 32 : L.block_weights, kBytes = kWeights * L.block_bytes / L.block_weights;
   static constexpr int64_t kGroups = kWeights / 32;
+  static constexpr bool kLanes = false;  // natural order
+  static constexpr int kCols = 2;
   static constexpr int64_t kScales = T == WeightType::Q4_K || T == WeightType::Q5_K || T == WeightType::Q6_K ? 16
                                      : T == WeightType::Q4_1 || T == WeightType::Q5_1                         ? 2
                                      : T == WeightType::Q8_0 || T == WeightType::Q4_0 || T == WeightType::Q5_0 ? 1
@@ -323,7 +348,7 @@ struct Avx2Blocks {
 
   // (Each float16 field is moved into a zeroed register, not inserted into a live one: an
   // insert would chain every block's conversion to the last one's.)
-  BLOCKS_AVX2_INLINE static void scales(const uint8_t* b, float* s) {
+  SPECENGINE_INLINE static void scales(const uint8_t* b, float* s) {
     if constexpr (T == WeightType::Q8_0 || T == WeightType::Q4_0 || T == WeightType::Q5_0) {
       s[0] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(b + L.d))));
     } else if constexpr (T == WeightType::Q4_1 || T == WeightType::Q5_1) {
@@ -345,8 +370,8 @@ struct Avx2Blocks {
   }
 
   // Q4_K and Q5_K: sub-block g's scale and min alone, into s[g] and s[8 + g] (scalar; what a
-  // one-row tile converts as it goes, see tile_direct_avx2).
-  BLOCKS_AVX2_INLINE static void group_scales(const uint8_t* b, int g, float* s) {
+  // one-row tile converts as it goes, see tile_direct).
+  SPECENGINE_INLINE static void group_scales(const uint8_t* b, int g, float* s) {
     const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(b + L.d))));
     int sc, m;
     scale_min_k4(b + L.scales, g, sc, m);
@@ -355,7 +380,7 @@ struct Avx2Blocks {
   }
 
   template <bool kProduct>
-  BLOCKS_AVX2_INLINE static __m256 piece(const float* s, const uint8_t* b, int g, int v) {
+  SPECENGINE_INLINE static __m256 piece(const float* s, const uint8_t* b, int g, int v) {
     if constexpr (T == WeightType::F32) {
       return _mm256_loadu_ps(reinterpret_cast<const float*>(b) + 8 * v);
     } else if constexpr (T == WeightType::F16) {
@@ -388,11 +413,11 @@ struct Avx2Blocks {
   }
 };
 
-// Group g's 4 pieces, made one at a time in order (piece<kProduct>(v) = Avx2Blocks<T>::piece's),
+// Group g's 4 pieces, made one at a time in order (piece<kProduct>(v) = Blocks<T>::piece's),
 // so that one is live at a time. The legacy 4- and 5-bit blocks widen each byte once, on
 // construction, for its two nibbles (pieces v and v + 2), and broadcast the fifth bits once.
 template <WeightType T>
-struct Avx2Group {
+struct Group {
   static constexpr bool kNibbles = T == WeightType::Q4_0 || T == WeightType::Q4_1 || T == WeightType::Q5_0 ||
                                    T == WeightType::Q5_1;
   static constexpr bool kFifthBit = T == WeightType::Q5_0 || T == WeightType::Q5_1;
@@ -408,8 +433,8 @@ struct Avx2Group {
   __m256i bytes[2], qh;
   __m256 d, m;  // m: Q4_1 and Q5_1's min; Q4_0 and Q5_0's -c d (exact)
 
-  // Scales from s (Avx2Blocks<T>::scales), or with s null (kRegisterScales), from the block.
-  BLOCKS_AVX2_INLINE Avx2Group(const float* scales, const uint8_t* block, int group) : s(scales), b(block), g(group) {
+  // Scales from s (Blocks<T>::scales), or with s null (kRegisterScales), from the block.
+  SPECENGINE_INLINE Group(const float* scales, const uint8_t* block, int group) : s(scales), b(block), g(group) {
     if constexpr (kRegisterScales) {
       if (s == nullptr) {
         static_assert(!kHasMin || L.m == L.d + 2, "d and m side by side");
@@ -431,7 +456,7 @@ struct Avx2Group {
   }
 
   template <bool kProduct>
-  BLOCKS_AVX2_INLINE __m256 piece(int v) const {
+  SPECENGINE_INLINE __m256 piece(int v) const {
     if constexpr (kNibbles) {
       const __m256i low = v < 2 ? _mm256_and_si256(bytes[v], _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(bytes[v - 2], 4);
       if constexpr (kProduct && T == WeightType::Q5_0) {
@@ -446,13 +471,13 @@ struct Avx2Group {
     } else if constexpr (T == WeightType::Q8_0) {
       return _mm256_mul_ps(_mm256_cvtepi32_ps(widen_i8(b + L.qs + 8 * v)), d);  // gguf: q * d
     } else {
-      return Avx2Blocks<T>::template piece<kProduct>(s, b, g, v);
+      return Blocks<T>::template piece<kProduct>(s, b, g, v);
     }
   }
 };
 
 // A vector of partial sums reduced in one fixed order (halves, then pairs, then the last two).
-BLOCKS_AVX2_INLINE float reduce_avx2(__m256 acc) {
+SPECENGINE_INLINE float reduce(__m256 acc) {
   __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   v = _mm_add_ps(v, _mm_movehl_ps(v, v));
   v = _mm_add_ss(v, _mm_movehdup_ps(v));
@@ -462,183 +487,46 @@ BLOCKS_AVX2_INLINE float reduce_avx2(__m256 acc) {
 // kTail: the tile's type may be a float type, whose rows have a tail past K32 (a block type's
 // never has: its direct tiles then store without a branch).
 template <bool kTail, int ROWS, int COLS>
-BLOCKS_AVX2_INLINE void store_tile_avx2(const Slice& s, const __m256 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
+SPECENGINE_INLINE void store_tile(const Slice& s, const __m256 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
   const bool tail = kTail && s.K32 < s.K;
   for (int i = 0; i < ROWS; ++i)
     for (int j = 0; j < COLS; ++j) {
       const int64_t n = n0 + j;
-      const float sum = reduce_avx2(acc[i][j]);
+      const float sum = reduce(acc[i][j]);
       s.out[(r0 + i) * s.N + n] = tail ? sum : sum + (s.bias ? s.bias[n] : 0.f);
     }
   if (tail) add_tails(s, r0, ROWS, n0, COLS);
 }
 
-// Rows [r0, r0 + ROWS) of x against COLS weight rows from n0, blocks dequantized into registers,
-// their scales converted here.
-template <WeightType T, int ROWS, int COLS>
-BLOCKS_AVX2 void tile_direct_avx2(const Slice& s, int64_t r0, int64_t n0) {
-  using D = Avx2Blocks<T>;
-  const uint8_t* w = s.data + n0 * s.row_bytes;
-  const float* x = s.x + r0 * s.K;
-  const int64_t blocks = s.K32 / D::kWeights;
-  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytesAvx2;  // as tile_direct
-  __m256 acc[ROWS][COLS];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
-  // Scales a tile converts itself: the legacy types' into registers (Avx2Group). Q4_K and Q5_K's
-  // for all 8 sub-blocks of each column once a block, from 2 rows of x on (their conversion shared
-  // by the rows); at 1 row each group's own two as it goes, as Q6_K's, whose conversion is cheap
-  // either way (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
-  constexpr bool kK4 = T == WeightType::Q4_K || T == WeightType::Q5_K;
-  constexpr bool kBlockScales = kK4 && ROWS > 1;
-  constexpr bool kGroupScales = !Avx2Group<T>::kRegisterScales && D::kScales > 0 && !kBlockScales;
-  alignas(32) float own[kBlockScales ? COLS : 1][D::kScales > 0 ? D::kScales : 1];
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    if (r0 == 0)
-      for (int64_t offset = 0; offset < COLS * D::kBytes; offset += 64)
-        _mm_prefetch(ahead + blk * COLS * D::kBytes + offset, _MM_HINT_T1);
-    if constexpr (kBlockScales)
-      for (int j = 0; j < COLS; ++j) D::scales(w + j * s.row_bytes + blk * D::kBytes, own[j]);
-#pragma GCC unroll 8
-    for (int g = 0; g < D::kGroups; ++g) {
-      const int64_t k = blk * D::kWeights + 32 * g;
-      for (int j = 0; j < COLS; ++j) {
-        const uint8_t* bj = w + j * s.row_bytes + blk * D::kBytes;
-        const float* sj = nullptr;  // the legacy types' scales: from the block, into registers
-        alignas(32) float group_scales[D::kScales > 0 ? D::kScales : 1];
-        if constexpr (kBlockScales) {
-          sj = own[j];
-        } else if constexpr (kGroupScales && kK4) {
-          D::group_scales(bj, g, group_scales);
-          sj = group_scales;
-        } else if constexpr (kGroupScales) {
-          D::scales(bj, group_scales);
-          sj = group_scales;
-        }
-        const Avx2Group<T> pieces(sj, bj, g);
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
-          const __m256 wv = pieces.template piece<true>(v);
-          for (int i = 0; i < ROWS; ++i)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * s.K + k + 8 * v), wv, acc[i][j]);
-        }
-      }
-    }
-  }
-  store_tile_avx2<Avx2Blocks<T>::kFloat, ROWS, COLS>(s, acc, r0, n0);
-}
+#include "blocks_simd.inc"
+}  // namespace avx2
+#pragma GCC pop_options
 
-// All R (<= kDirectRowsAvx2) rows of x against COLS weight rows from n0 in one tile, so that
-// each block is dequantized once for all rows: up to 8 accumulators (COLS 8 at 1 row, 2 up to 4
-// rows, 1 up to 8).
-template <WeightType T, int COLS>
-BLOCKS_AVX2 void columns_direct_avx2(const Slice& s, int64_t n0) {
-  static_assert(COLS == 1 || COLS == 2 || COLS == 8);
-  switch (s.R) {
-    case 8: if constexpr (COLS == 1) return tile_direct_avx2<T, 8, COLS>(s, 0, n0); break;
-    case 7: if constexpr (COLS == 1) return tile_direct_avx2<T, 7, COLS>(s, 0, n0); break;
-    case 6: if constexpr (COLS == 1) return tile_direct_avx2<T, 6, COLS>(s, 0, n0); break;
-    case 5: if constexpr (COLS == 1) return tile_direct_avx2<T, 5, COLS>(s, 0, n0); break;
-    case 4: if constexpr (COLS <= 2) return tile_direct_avx2<T, 4, COLS>(s, 0, n0); break;
-    case 3: if constexpr (COLS <= 2) return tile_direct_avx2<T, 3, COLS>(s, 0, n0); break;
-    case 2: if constexpr (COLS <= 2) return tile_direct_avx2<T, 2, COLS>(s, 0, n0); break;
-    case 1: return tile_direct_avx2<T, 1, COLS>(s, 0, n0);
-  }
-}
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+namespace avx512 {
+// ---- AVX-512: 16 lanes ------------------------------------------------------------------------
 
-// Weights [0, K32) of `cols` weight rows into out [cols, K32], natural order.
-template <WeightType T>
-BLOCKS_AVX2 void dequantize_avx2(const uint8_t* row, int64_t row_bytes, int64_t cols, int64_t K32, float* out) {
-  using D = Avx2Blocks<T>;
-  alignas(32) float scales[D::kScales > 0 ? D::kScales : 1];
-  for (int64_t j = 0; j < cols; ++j) {
-    const uint8_t* w = row + j * row_bytes;
-    float* o = out + j * K32;
-    for (int64_t blk = 0; blk < K32 / D::kWeights; ++blk) {
-      const uint8_t* block = w + blk * D::kBytes;
-      for (int64_t offset = 0; offset < D::kBytes; offset += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytesAvx2 + offset, _MM_HINT_T1);
-      D::scales(block, scales);
-#pragma GCC unroll 8
-      for (int g = 0; g < D::kGroups; ++g) {
-        const Avx2Group<T> pieces(scales, block, g);
-        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(o + blk * D::kWeights + 32 * g + 8 * v, pieces.template piece<false>(v));
-      }
-    }
-  }
-}
-
-// ROWS rows of x against COLS dequantized weight rows w [COLS, K32] (the buffer): the same sums
-// in the same order as tile_direct_avx2.
-template <int ROWS, int COLS>
-BLOCKS_AVX2 void tile_buffered_avx2(const Slice& s, const float* w, int64_t r0, int64_t n0) {
-  __m256 acc[ROWS][COLS];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < s.K32; k += 8) {
-    __m256 wv[COLS];
-    for (int j = 0; j < COLS; ++j) wv[j] = _mm256_loadu_ps(w + j * s.K32 + k);
-    for (int i = 0; i < ROWS; ++i) {
-      const __m256 xv = _mm256_loadu_ps(s.x + (r0 + i) * s.K + k);
-      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  store_tile_avx2<true, ROWS, COLS>(s, acc, r0, n0);
-}
-
-// All R rows of x, in tiles of 6 (12 accumulators) against COLS buffered weight rows.
-template <int COLS>
-BLOCKS_AVX2 void rows_buffered_avx2(const Slice& s, const float* w, int64_t n0) {
-  int64_t r = 0;
-  for (; r + 6 <= s.R; r += 6) tile_buffered_avx2<6, COLS>(s, w, r, n0);
-  switch (s.R - r) {
-    case 5: return tile_buffered_avx2<5, COLS>(s, w, r, n0);
-    case 4: return tile_buffered_avx2<4, COLS>(s, w, r, n0);
-    case 3: return tile_buffered_avx2<3, COLS>(s, w, r, n0);
-    case 2: return tile_buffered_avx2<2, COLS>(s, w, r, n0);
-    case 1: return tile_buffered_avx2<1, COLS>(s, w, r, n0);
-    default: return;
-  }
-}
-
-// Rows of x up to which this path dequantizes blocks into registers (one tile of all rows), and
-// past which into the buffer, once per group of weight rows, for tiles of 6 rows of x against
-// 2 weight rows: up to 8 rows the registers are faster than the buffer's store and reload, past
-// them the buffer is faster than tiles that each dequantize again (measured: see
+using V = __m512;
+constexpr int kLanes = 16;
+// How far ahead of the block being dequantized its thread's weight stream is prefetched, into
+// L2: linear.cpp's distance, tuned for the same kind of stream on the same kind of machine.
+constexpr int64_t kPrefetch = 16384;
+// Register tiles of more rows of x measured slower (bench/results/avx512-direct-rows-2026-12-03.md).
+constexpr int64_t kDirectRows = 4;
+constexpr int64_t kMultiColumnRows = 4;
+constexpr bool kScalesAhead = true;  // (see below)
+constexpr bool kHoistX = true;       // up to 4 rows x 2 vectors of x: 8 of 32 registers
+// Buffered tiles: up to 6 rows x 4 weight rows (24 accumulators, 4 weight vectors, one of x).
+// Seven rows take one tile of 7 (GCC takes a weight vector from memory), faster than tiles of 3
+// and 4; 13 and 14 rows take tiles of 4-6, faster than tiles of 7 (measured: see
 // bench/results/kernel-tuning-2026-11-29-to-12-03.md).
-constexpr int64_t kDirectRowsAvx2 = 8;
+constexpr int64_t kBufferCols = kGroupRows, kBufferedRows = 6, kOneTileRows = 7;
 
-template <WeightType T>
-BLOCKS_AVX2 void slice_avx2(const Slice& s, float* buffer) {
-  int64_t n = s.begin;
-  if (s.R <= kDirectRowsAvx2) {
-    if (s.R == 1)  // one row of x: eight independent sums to hide FMA latency
-      for (; n + 8 <= s.end; n += 8) columns_direct_avx2<T, 8>(s, n);
-    // 5 to 8 rows: one column at a time, every block dequantized once for all rows, not in
-    // several tiles that each dequantize it (measured: see bench/results/kernel-tuning-2026-11-29-to-12-03.md).
-    if (s.R <= 4)
-      for (; n + 2 <= s.end; n += 2) columns_direct_avx2<T, 2>(s, n);
-    for (; n < s.end; ++n) columns_direct_avx2<T, 1>(s, n);
-    return;
-  }
-  for (; n < s.end; n += kGroupRows) {
-    const int64_t cols = std::min(kGroupRows, s.end - n);
-    dequantize_avx2<T>(s.data + n * s.row_bytes, s.row_bytes, cols, s.K32, buffer);
-    int64_t j = 0;
-    for (; j + 2 <= cols; j += 2) rows_buffered_avx2<2>(s, buffer + j * s.K32, n + j);
-    if (j < cols) rows_buffered_avx2<1>(s, buffer + j * s.K32, n + j);
-  }
-}
-
-// ---- AVX-512 path ----------------------------------------------------------------------------
-// (F16C for the scale fields: every CPU with AVX-512 has it.)
-#define BLOCKS_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
-#define BLOCKS_AVX512_INLINE BLOCKS_AVX512 SPECENGINE_INLINE
-
-bool use_blocks_avx512() {
-  static const bool f16c = __builtin_cpu_supports("f16c");
-  return f16c && use_avx512();
-}
+SPECENGINE_INLINE V vzero() { return _mm512_setzero_ps(); }
+SPECENGINE_INLINE V vload(const float* p) { return _mm512_loadu_ps(p); }
+SPECENGINE_INLINE void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+SPECENGINE_INLINE V vfmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 
 // What bounds these loops is shuffles (vpermps lookups, broadcasts of scales from registers,
 // vpmovzxbd widenings) more than the two 512-bit FMAs a cycle (measured: see
@@ -649,31 +537,31 @@ bool use_blocks_avx512() {
 // of its 16 (dword l % 4, shifted right by 8 (l / 4) bits). Those weights come in "lane order",
 // and x is given to them in the same order (Slice::x_lanes); the order is an involution, so the
 // same permutation restores the natural one (dequantize_rows).
-BLOCKS_AVX512_INLINE __m512i lane_bytes() {
+SPECENGINE_INLINE __m512i lane_bytes() {
   return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
-BLOCKS_AVX512_INLINE __m512i lane_shifts(int extra) {
+SPECENGINE_INLINE __m512i lane_shifts(int extra) {
   return _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24),
                           _mm512_set1_epi32(extra));
 }
 
 // The 16 bytes at p in lane order, each in its lane's low bits (garbage above them), shifted
 // right by `extra` bits more (4: the high nibbles).
-BLOCKS_AVX512_INLINE __m512i bytes_in_lanes(const uint8_t* p, int extra) {
+SPECENGINE_INLINE __m512i bytes_in_lanes(const uint8_t* p, int extra) {
   return _mm512_srlv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
                            lane_shifts(extra));
 }
 
-BLOCKS_AVX512_INLINE __m512 iota_ps(float start) {
+SPECENGINE_INLINE __m512 iota_ps(float start) {
   return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(start));
 }
 
 // Two float16 fields side by side (a block's d and m, or d and dmin) -> float32 lanes 0 and 1.
-BLOCKS_AVX512_INLINE __m128 f16_pair(const uint8_t* p) { return _mm_cvtph_ps(_mm_cvtsi32_si128(load_u32(p))); }
+SPECENGINE_INLINE __m128 f16_pair(const uint8_t* p) { return _mm_cvtph_ps(_mm_cvtsi32_si128(load_u32(p))); }
 
 // index's bits 0-3 from `low`, bit 4 from bit 0 of `bit` (bits above 4 are garbage: the 5-bit
 // lookups ignore them).
-BLOCKS_AVX512_INLINE __m512i five_bit_index(__m512i low, __m512i bit) {
+SPECENGINE_INLINE __m512i five_bit_index(__m512i low, __m512i bit) {
   return _mm512_ternarylogic_epi32(low, _mm512_slli_epi32(bit, 4), _mm512_set1_epi32(0x0F), 0xE4);  // c ? a : b
 }
 
@@ -682,59 +570,59 @@ BLOCKS_AVX512_INLINE __m512i five_bit_index(__m512i low, __m512i bit) {
 //   group(s, b, g, lo, hi) its weights 32 g .. 32 g + 31 (g < kGroups), lane order if kLanes
 // The float types are taken as "blocks" of 32 weights.
 template <WeightType T>
-struct Avx512Blocks;
+struct Blocks;
 
 template <>
-struct Avx512Blocks<WeightType::F32> {
+struct Blocks<WeightType::F32> {
   static constexpr int64_t kWeights = 32, kBytes = 128, kGroups = 1, kScales = 0;
   static constexpr bool kLanes = false;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t*, float*) {}
-  BLOCKS_AVX512_INLINE static void group(const float*, const uint8_t* b, int, __m512& lo, __m512& hi) {
+  SPECENGINE_INLINE static void scales(const uint8_t*, float*) {}
+  SPECENGINE_INLINE static void group(const float*, const uint8_t* b, int, __m512& lo, __m512& hi) {
     lo = _mm512_loadu_ps(b);
     hi = _mm512_loadu_ps(b + 64);
   }
 };
 
 template <>
-struct Avx512Blocks<WeightType::F16> {
+struct Blocks<WeightType::F16> {
   static constexpr int64_t kWeights = 32, kBytes = 64, kGroups = 1, kScales = 0;
   static constexpr bool kLanes = false;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t*, float*) {}
-  BLOCKS_AVX512_INLINE static void group(const float*, const uint8_t* b, int, __m512& lo, __m512& hi) {
+  SPECENGINE_INLINE static void scales(const uint8_t*, float*) {}
+  SPECENGINE_INLINE static void group(const float*, const uint8_t* b, int, __m512& lo, __m512& hi) {
     lo = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
     hi = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
   }
 };
 
 template <>
-struct Avx512Blocks<WeightType::BF16> {
+struct Blocks<WeightType::BF16> {
   static constexpr int64_t kWeights = 32, kBytes = 64, kGroups = 1, kScales = 0;
   static constexpr bool kLanes = false;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t*, float*) {}
-  BLOCKS_AVX512_INLINE static __m512 widen(const uint8_t* p) {
+  SPECENGINE_INLINE static void scales(const uint8_t*, float*) {}
+  SPECENGINE_INLINE static __m512 widen(const uint8_t* p) {
     const __m512i raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
   }
-  BLOCKS_AVX512_INLINE static void group(const float*, const uint8_t* b, int, __m512& lo, __m512& hi) {
+  SPECENGINE_INLINE static void group(const float*, const uint8_t* b, int, __m512& lo, __m512& hi) {
     lo = widen(b);
     hi = widen(b + 32);
   }
 };
 
 template <>
-struct Avx512Blocks<WeightType::Q8_0> {
+struct Blocks<WeightType::Q8_0> {
   static constexpr WeightTypeLayout L = layout_of(WeightType::Q8_0);
   static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 1, kScales = 1;
   static constexpr bool kLanes = false;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b + L.d)); }
-  BLOCKS_AVX512_INLINE static __m512 widen(const uint8_t* p) {
+  SPECENGINE_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b + L.d)); }
+  SPECENGINE_INLINE static __m512 widen(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
+  SPECENGINE_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
     lo = _mm512_mul_ps(widen(b + L.qs), _mm512_set1_ps(s[0]));  // gguf: q * d
     hi = _mm512_mul_ps(widen(b + L.qs + 16), _mm512_set1_ps(s[0]));
   }
@@ -742,13 +630,13 @@ struct Avx512Blocks<WeightType::Q8_0> {
 
 // Q4_0 and Q4_1: a table of the block's 16 values, looked up by nibble.
 template <>
-struct Avx512Blocks<WeightType::Q4_0> {
+struct Blocks<WeightType::Q4_0> {
   static constexpr WeightTypeLayout L = layout_of(WeightType::Q4_0);
   static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 1, kScales = 1;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b + L.d)); }
-  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
+  SPECENGINE_INLINE static void scales(const uint8_t* b, float* s) { s[0] = _cvtsh_ss(load_u16(b + L.d)); }
+  SPECENGINE_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
     const __m512 table = _mm512_mul_ps(_mm512_set1_ps(s[0]), iota_ps(-8.f));  // d * (q - 8)
     lo = _mm512_permutexvar_ps(bytes_in_lanes(b + L.qs, 0), table);
     hi = _mm512_permutexvar_ps(bytes_in_lanes(b + L.qs, 4), table);
@@ -757,19 +645,19 @@ struct Avx512Blocks<WeightType::Q4_0> {
 
 // d * q + m with one rounding: d * q is exact in float32 (d a float16, 11 significant bits; q < 32,
 // 5 bits), so the fused form is bit for bit gguf's two roundings, in one instruction.
-BLOCKS_AVX512_INLINE __m512 exact_affine(__m512 d, __m512 q, __m512 m) { return _mm512_fmadd_ps(d, q, m); }
+SPECENGINE_INLINE __m512 exact_affine(__m512 d, __m512 q, __m512 m) { return _mm512_fmadd_ps(d, q, m); }
 
 template <>
-struct Avx512Blocks<WeightType::Q4_1> {
+struct Blocks<WeightType::Q4_1> {
   static constexpr WeightTypeLayout L = layout_of(WeightType::Q4_1);
   static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 1, kScales = 2;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
+  SPECENGINE_INLINE static void scales(const uint8_t* b, float* s) {
     static_assert(L.m == L.d + 2, "d and m side by side");
     _mm_storel_pi(reinterpret_cast<__m64*>(s), f16_pair(b + L.d));  // d, m
   }
-  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
+  SPECENGINE_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
     const __m512 table = exact_affine(_mm512_set1_ps(s[0]), iota_ps(0.f), _mm512_set1_ps(s[1]));
     lo = _mm512_permutexvar_ps(bytes_in_lanes(b + L.qs, 0), table);
     hi = _mm512_permutexvar_ps(bytes_in_lanes(b + L.qs, 4), table);
@@ -784,11 +672,11 @@ struct Avx512Q5 {
   static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 1, kScales = 2;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
+  SPECENGINE_INLINE static void scales(const uint8_t* b, float* s) {
     static_assert(L.d + 2 == (L.m >= 0 ? L.m : L.qh), "d and then m (Q5_1) or qh (Q5_0)");
     _mm_storel_pi(reinterpret_cast<__m64*>(s), f16_pair(b + L.d));  // d, m (Q5_0: m is qh's bytes, unused)
   }
-  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
+  SPECENGINE_INLINE static void group(const float* s, const uint8_t* b, int, __m512& lo, __m512& hi) {
     const __m512 d = _mm512_set1_ps(s[0]);
     __m512 low, high;  // the values of q = 0..15 and 16..31
     if constexpr (T == WeightType::Q5_0) {
@@ -808,9 +696,9 @@ struct Avx512Q5 {
   }
 };
 template <>
-struct Avx512Blocks<WeightType::Q5_0> : Avx512Q5<WeightType::Q5_0> {};
+struct Blocks<WeightType::Q5_0> : Avx512Q5<WeightType::Q5_0> {};
 template <>
-struct Avx512Blocks<WeightType::Q5_1> : Avx512Q5<WeightType::Q5_1> {};
+struct Blocks<WeightType::Q5_1> : Avx512Q5<WeightType::Q5_1> {};
 
 // Q4_K and Q5_K: 8 sub-blocks of 32, each with its scale d * sc and shift dmin * m, and its own
 // table. scales: s[0..7] the scales, s[8..15] the shifts.
@@ -820,14 +708,14 @@ struct Avx512K4 {
   static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 8, kScales = 16;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 4;
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
+  SPECENGINE_INLINE static void scales(const uint8_t* b, float* s) {
     static_assert(L.m == L.d + 2, "d and dmin side by side");
     const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scale_min_k4_bytes(b + L.scales)));
     const __m512 d_dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                                 _mm512_castps128_ps512(f16_pair(b + L.d)));
     _mm512_storeu_ps(s, _mm512_mul_ps(d_dmin, fields));  // d * sc, dmin * m
   }
-  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int g, __m512& lo, __m512& hi) {
+  SPECENGINE_INLINE static void group(const float* s, const uint8_t* b, int g, __m512& lo, __m512& hi) {
     // (d * sc) * q - dmin * m: d * sc (17 significant bits) times q (5) is exact, so one rounding
     // (fused) is gguf's two.
     const __m512 scale = _mm512_set1_ps(s[g]), shift = _mm512_set1_ps(s[8 + g]);
@@ -848,24 +736,24 @@ struct Avx512K4 {
   }
 };
 template <>
-struct Avx512Blocks<WeightType::Q4_K> : Avx512K4<WeightType::Q4_K> {};
+struct Blocks<WeightType::Q4_K> : Avx512K4<WeightType::Q4_K> {};
 template <>
-struct Avx512Blocks<WeightType::Q5_K> : Avx512K4<WeightType::Q5_K> {};
+struct Blocks<WeightType::Q5_K> : Avx512K4<WeightType::Q5_K> {};
 
 // Q6_K: 16 scales d * scale[i], one per 16 weights; q = low nibble | 2 high bits << 4, minus 32.
 template <>
-struct Avx512Blocks<WeightType::Q6_K> {
+struct Blocks<WeightType::Q6_K> {
   static constexpr WeightTypeLayout L = layout_of(WeightType::Q6_K);
   static constexpr int64_t kWeights = L.block_weights, kBytes = L.block_bytes, kGroups = 8, kScales = 16;
   static constexpr bool kLanes = true;
   static constexpr int kCols = 2;  // 4 x 4 tiles spilled registers
-  BLOCKS_AVX512_INLINE static void scales(const uint8_t* b, float* s) {
+  SPECENGINE_INLINE static void scales(const uint8_t* b, float* s) {
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(b + L.d)));
     const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + L.scales)));
     _mm512_storeu_ps(s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(scales)));
   }
   // Weights 16 part .. 16 part + 15 of group g (0..7): 128 weights per half of the block, 4 groups each.
-  BLOCKS_AVX512_INLINE static __m512 sixteen(const float* s, const uint8_t* b, int g, int part) {
+  SPECENGINE_INLINE static __m512 sixteen(const float* s, const uint8_t* b, int g, int part) {
     const int half = g / 4, k = g % 4;
     const __m512i low = bytes_in_lanes(b + L.qs + 64 * half + 32 * (k & 1) + 16 * part, 4 * (k >> 1));
     const __m512i qh = bytes_in_lanes(b + L.qh + 32 * half + 16 * part, 0);
@@ -875,14 +763,26 @@ struct Avx512Blocks<WeightType::Q6_K> {
     return _mm512_mul_ps(_mm512_set1_ps(s[2 * g + part]),
                          _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(32))));
   }
-  BLOCKS_AVX512_INLINE static void group(const float* s, const uint8_t* b, int g, __m512& lo, __m512& hi) {
+  SPECENGINE_INLINE static void group(const float* s, const uint8_t* b, int g, __m512& lo, __m512& hi) {
     lo = sixteen(s, b, g, 0);
     hi = sixteen(s, b, g, 1);
   }
 };
 
+// Group g's two vectors of 16 (Blocks<T>::group), made together: the lookups share a table.
+template <WeightType T>
+struct Group {
+  static constexpr bool kRegisterScales = false;  // kScalesAhead: always from s
+  V halves[2];
+  SPECENGINE_INLINE Group(const float* s, const uint8_t* b, int g) { Blocks<T>::group(s, b, g, halves[0], halves[1]); }
+  template <bool kProduct>
+  SPECENGINE_INLINE V piece(int v) const { return halves[v]; }
+};
+
+SPECENGINE_INLINE V to_natural_order(V v) { return _mm512_permutexvar_ps(lane_bytes(), v); }  // an involution
+
 // x [R, K] -> [R, K32], each run of 16 in lane order.
-BLOCKS_AVX512 std::vector<float> x_in_lanes(const float* x, int64_t R, int64_t K, int64_t K32) {
+std::vector<float> x_in_lanes(const float* x, int64_t R, int64_t K, int64_t K32) {
   std::vector<float> lanes(static_cast<size_t>(R * K32));
   for (int64_t r = 0; r < R; ++r)
     for (int64_t k = 0; k < K32; k += 16)
@@ -893,7 +793,7 @@ BLOCKS_AVX512 std::vector<float> x_in_lanes(const float* x, int64_t R, int64_t K
 // The sums of four vectors, in lanes 0-3 (a's, b's, c's, d's): each reduced by the tree of
 // _mm512_reduce_add_ps (lane l with l + 8, then l + 4, l + 2, l + 1), so a sum is the same
 // bits whichever way it was reduced, four at a time or alone.
-BLOCKS_AVX512_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+SPECENGINE_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
                                   _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
   const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
@@ -907,8 +807,8 @@ BLOCKS_AVX512_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // out[r0 + i, n0 + j] from the tile's partial sums: reduced, plus the float types' tail, plus bias.
-template <bool kTail, int ROWS, int COLS>  // kTail as store_tile_avx2's
-BLOCKS_AVX512_INLINE void store_tile(const Slice& s, const __m512 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
+template <bool kTail, int ROWS, int COLS>  // kTail as the AVX2 store_tile's
+SPECENGINE_INLINE void store_tile(const Slice& s, const __m512 (&acc)[ROWS][COLS], int64_t r0, int64_t n0) {
   if (kTail && s.K32 < s.K) {  // a tail (float types only): one by one
     for (int i = 0; i < ROWS; ++i)
       for (int j = 0; j < COLS; ++j) s.out[(r0 + i) * s.N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]);
@@ -931,170 +831,9 @@ BLOCKS_AVX512_INLINE void store_tile(const Slice& s, const __m512 (&acc)[ROWS][C
   }
 }
 
-// Rows [r0, r0 + ROWS) of x against COLS weight rows from n0, blocks dequantized into
-// registers; `scales` holds the blocks' scales (group_scales).
-template <WeightType T, int ROWS, int COLS>
-BLOCKS_AVX512 void tile_direct(const Slice& s, int64_t r0, int64_t n0, const float* scales) {
-  using D = Avx512Blocks<T>;
-  const uint8_t* w = s.data + n0 * s.row_bytes;
-  const int64_t xs = D::kLanes ? s.K32 : s.K;  // x's row stride
-  const float* x = (D::kLanes ? s.x_lanes : s.x) + r0 * xs;
-  const int64_t blocks = s.K32 / D::kWeights;
-  // The group's rows are contiguous: its stream kPrefetchBytes ahead is prefetched in equal
-  // steps, COLS * kBytes a block (each line about once, with no test per block), by the first
-  // row tile.
-  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
-  __m512 acc[ROWS][COLS];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    if (r0 == 0)
-      for (int64_t offset = 0; offset < COLS * D::kBytes; offset += 64)
-        _mm_prefetch(ahead + blk * COLS * D::kBytes + offset, _MM_HINT_T1);
-#pragma GCC unroll 8
-    for (int g = 0; g < D::kGroups; ++g) {
-      const int64_t k = blk * D::kWeights + 32 * g;
-      __m512 x_lo[ROWS], x_hi[ROWS];  // loaded once for all COLS weight rows
-      for (int i = 0; i < ROWS; ++i) {
-        x_lo[i] = _mm512_loadu_ps(x + i * xs + k);
-        x_hi[i] = _mm512_loadu_ps(x + i * xs + k + 16);
-      }
-      for (int j = 0; j < COLS; ++j) {
-        __m512 lo, hi;
-        D::group(scales + (j * blocks + blk) * D::kScales, w + j * s.row_bytes + blk * D::kBytes, g, lo, hi);
-        for (int i = 0; i < ROWS; ++i) {
-          acc[i][j] = _mm512_fmadd_ps(x_lo[i], lo, acc[i][j]);
-          acc[i][j] = _mm512_fmadd_ps(x_hi[i], hi, acc[i][j]);
-        }
-      }
-    }
-  }
-  store_tile<layout_of(T).block_weights == 1, ROWS, COLS>(s, acc, r0, n0);
-}
-
-// All R (<= kDirectRows) rows of x against COLS weight rows from n0 in one tile: first the
-// blocks' scales, converted once into s.scratch, then the tile, dequantizing each block once.
-template <WeightType T, int COLS>
-BLOCKS_AVX512 void columns_direct(const Slice& s, int64_t n0) {
-  using D = Avx512Blocks<T>;
-  const uint8_t* w = s.data + n0 * s.row_bytes;
-  const int64_t blocks = s.K32 / D::kWeights;
-  float* scales = s.scratch;
-  if constexpr (D::kScales > 0)
-    for (int j = 0; j < COLS; ++j)
-      for (int64_t blk = 0; blk < blocks; ++blk)
-        D::scales(w + j * s.row_bytes + blk * D::kBytes, scales + (j * blocks + blk) * D::kScales);
-  static_assert(kDirectRows == 4, "a tile for each row count up to kDirectRows");
-  if constexpr (COLS == 8) {  // one row of x (decoding): eight FMA chains
-    return tile_direct<T, 1, COLS>(s, 0, n0, scales);
-  } else {
-    switch (s.R) {
-      case 4: return tile_direct<T, 4, COLS>(s, 0, n0, scales);
-      case 3: return tile_direct<T, 3, COLS>(s, 0, n0, scales);
-      case 2: return tile_direct<T, 2, COLS>(s, 0, n0, scales);
-      default: return tile_direct<T, 1, COLS>(s, 0, n0, scales);
-    }
-  }
-}
-
-// ROWS rows of x (row stride xs) against COLS dequantized weight rows w [COLS, K32] (the buffer):
-// the same sums in the same order as tile_direct.
-template <int ROWS, int COLS>
-BLOCKS_AVX512 void tile_buffered(const Slice& s, const float* x, int64_t xs, const float* w, int64_t r0, int64_t n0) {
-  __m512 acc[ROWS][COLS];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_setzero_ps();
-  x += r0 * xs;
-  for (int64_t k = 0; k < s.K32; k += 16) {
-    __m512 wv[COLS];
-    for (int j = 0; j < COLS; ++j) wv[j] = _mm512_loadu_ps(w + j * s.K32 + k);
-    for (int i = 0; i < ROWS; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x + i * xs + k);
-      for (int j = 0; j < COLS; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  store_tile<true, ROWS, COLS>(s, acc, r0, n0);
-}
-
-// All R rows of x against COLS buffered weight rows, in tiles of at most kBufferedRows rows
-// (ROWS x COLS accumulators, COLS weight vectors and a row of x within the 32 registers), the
-// rows shared out evenly: a tile of one or two rows loads about as many vectors as it multiplies.
-// Seven rows take one tile of 7 (GCC takes a weight vector from memory), faster than tiles of 3
-// and 4; 13 and 14 rows take tiles of 4-6, faster than tiles of 7 (measured: see
-// bench/results/kernel-tuning-2026-11-29-to-12-03.md).
-constexpr int64_t kBufferedRows = 6;
-template <int COLS>
-BLOCKS_AVX512 void columns_buffered(const Slice& s, const float* x, int64_t xs, const float* w, int64_t n0) {
-  const int64_t tiles = s.R == 7 ? 1 : (s.R + kBufferedRows - 1) / kBufferedRows;
-  for (int64_t t = 0, r = 0; t < tiles; ++t) {
-    const int64_t rows = (s.R - r) / (tiles - t);  // the rows left, shared by the tiles left
-    switch (rows) {
-      case 7: tile_buffered<7, COLS>(s, x, xs, w, r, n0); break;
-      case 6: tile_buffered<6, COLS>(s, x, xs, w, r, n0); break;
-      case 5: tile_buffered<5, COLS>(s, x, xs, w, r, n0); break;
-      case 4: tile_buffered<4, COLS>(s, x, xs, w, r, n0); break;
-      case 3: tile_buffered<3, COLS>(s, x, xs, w, r, n0); break;
-      case 2: tile_buffered<2, COLS>(s, x, xs, w, r, n0); break;
-      default: tile_buffered<1, COLS>(s, x, xs, w, r, n0); break;
-    }
-    r += rows;
-  }
-}
-
-// Weights [0, K32) of `cols` weight rows into out [cols, K32]: in lane order where the format
-// has one, unless `natural`.
-template <WeightType T, bool natural>
-BLOCKS_AVX512 void dequantize_avx512(const uint8_t* row, int64_t row_bytes, int64_t cols, int64_t K32, float* out) {
-  using D = Avx512Blocks<T>;
-  alignas(64) float scales[D::kScales > 0 ? D::kScales : 1];
-  for (int64_t j = 0; j < cols; ++j) {
-    const uint8_t* w = row + j * row_bytes;
-    float* o = out + j * K32;
-    for (int64_t blk = 0; blk < K32 / D::kWeights; ++blk) {
-      const uint8_t* block = w + blk * D::kBytes;
-      for (int64_t offset = 0; offset < D::kBytes; offset += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes + offset, _MM_HINT_T1);
-      D::scales(block, scales);
-#pragma GCC unroll 8
-      for (int g = 0; g < D::kGroups; ++g) {
-        __m512 lo, hi;
-        D::group(scales, block, g, lo, hi);
-        if constexpr (natural && D::kLanes) {
-          lo = _mm512_permutexvar_ps(lane_bytes(), lo);
-          hi = _mm512_permutexvar_ps(lane_bytes(), hi);
-        }
-        _mm512_storeu_ps(o + blk * D::kWeights + 32 * g, lo);
-        _mm512_storeu_ps(o + blk * D::kWeights + 32 * g + 16, hi);
-      }
-    }
-  }
-}
-
-template <WeightType T>
-BLOCKS_AVX512 void slice_avx512(const Slice& s, float* buffer) {
-  int64_t n = s.begin;
-  if (s.R == 1) {  // a row of x against eight weight rows: eight independent sums to hide FMA latency
-    for (; n + 8 <= s.end; n += 8) columns_direct<T, 8>(s, n);
-  }
-  if (s.R <= kDirectRows) {  // kCols weight rows at a time: tiles of 4 x kCols accumulators
-    constexpr int cols = Avx512Blocks<T>::kCols;
-    for (; n + cols <= s.end; n += cols) columns_direct<T, cols>(s, n);
-    for (; n < s.end; ++n) columns_direct<T, 1>(s, n);
-    return;
-  }
-  using D = Avx512Blocks<T>;
-  const float* x = D::kLanes ? s.x_lanes : s.x;
-  const int64_t xs = D::kLanes ? s.K32 : s.K;
-  for (; n < s.end; n += kGroupRows) {
-    const int64_t cols = std::min(kGroupRows, s.end - n);
-    dequantize_avx512<T, false>(s.data + n * s.row_bytes, s.row_bytes, cols, s.K32, buffer);
-    if (cols == kGroupRows) {
-      columns_buffered<kGroupRows>(s, x, xs, buffer, n);
-    } else {
-      for (int64_t j = 0; j < cols; ++j) columns_buffered<1>(s, x, xs, buffer + j * s.K32, n + j);
-    }
-  }
-}
+#include "blocks_simd.inc"
+}  // namespace avx512
+#pragma GCC pop_options
 #endif  // SPECENGINE_X86
 
 using Path = VectorPath;
@@ -1107,11 +846,21 @@ Path choose_path() {
 #endif
 }
 
+// Rows of x up to which the path's tiles hold blocks in registers (the portable path buffers always).
+int64_t direct_rows(Path path) {
+#ifdef SPECENGINE_X86
+  if (path == Path::avx512) return avx512::kDirectRows;
+  if (path == Path::avx2) return avx2::kDirectRows;
+#endif
+  (void)path;
+  return 0;
+}
+
 template <WeightType T>
 void run_slice(Path path, const Slice& s, float* buffer) {
 #ifdef SPECENGINE_X86
-  if (path == Path::avx512) return slice_avx512<T>(s, buffer);
-  if (path == Path::avx2) return slice_avx2<T>(s, buffer);
+  if (path == Path::avx512) return avx512::slice<T>(s, buffer);
+  if (path == Path::avx2) return avx2::slice<T>(s, buffer);
 #endif
   slice_portable<T>(s, buffer);
 }
@@ -1120,21 +869,15 @@ void run_slice(Path path, const Slice& s, float* buffer) {
 template <WeightType T>
 void dequantize_part_rows(Path path, const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K, float* out) {
 #ifdef SPECENGINE_X86
-  if (path == Path::avx512) {
+  using Dequantize = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
+  const Dequantize vectors = path == Path::avx512 ? &avx512::dequantize<T, true>
+                             : path == Path::avx2 ? &avx2::dequantize<T, true>
+                                                  : nullptr;
+  if (vectors != nullptr) {
     const int64_t K32 = K & ~(kStep - 1);
-    if (K32 == K) return dequantize_avx512<T, true>(rows, row_bytes, count, K, out);
+    if (K32 == K) return vectors(rows, row_bytes, count, K, out);
     for (int64_t j = 0; j < count; ++j) {  // a float type's tail: each row on its own
-      dequantize_avx512<T, true>(rows + j * row_bytes, row_bytes, 1, K32, out + j * K);
-      dequantize_row_portable<T>(rows + j * row_bytes + K32 * block_bytes(static_cast<int64_t>(T)), K - K32,
-                                 out + j * K + K32);
-    }
-    return;
-  }
-  if (path == Path::avx2) {
-    const int64_t K32 = K & ~(kStep - 1);
-    if (K32 == K) return dequantize_avx2<T>(rows, row_bytes, count, K, out);
-    for (int64_t j = 0; j < count; ++j) {
-      dequantize_avx2<T>(rows + j * row_bytes, row_bytes, 1, K32, out + j * K);
+      vectors(rows + j * row_bytes, row_bytes, 1, K32, out + j * K);
       dequantize_row_portable<T>(rows + j * row_bytes + K32 * block_bytes(static_cast<int64_t>(T)), K - K32,
                                  out + j * K + K32);
     }
@@ -1148,14 +891,14 @@ void dequantize_part_rows(Path path, const uint8_t* rows, int64_t row_bytes, int
 
 // Each weight type's functions, which choose their instruction-set path inside; one entry per
 // type of kWeightTypes (blocks.h), in its order. A new type's entry comes from its
-// dequantize_block (portable), Avx2Blocks/Avx2Group and Avx512Blocks specializations.
+// dequantize_block (portable) and each width's Blocks and Group.
 struct TypeFunctions {
   WeightType type;
   void (*slice)(Path, const Slice&, float*);  // a thread's rows of the product (run_slice)
   void (*rows)(Path, const uint8_t* rows, int64_t row_bytes, int64_t count, int64_t K,
                float* out);  // whole rows dequantized (dequantize_part_rows)
   TailWeight tail;           // a float type's weight k of a row (float_weight)
-  bool lane_order;           // AVX-512: its weights come in lane order, so x must too (Avx512Blocks)
+  bool lane_order;           // AVX-512: its weights come in lane order, so x must too (avx512::Blocks)
 };
 
 // bfloat16 weights: linear.cpp's column tiles (x de-interleaved to their pairs of weights).
@@ -1167,7 +910,7 @@ void slice_bf16(Path path, const Slice& s, float*) {
 template <WeightType T>
 constexpr TypeFunctions functions_of() {
 #ifdef SPECENGINE_X86
-  constexpr bool lanes = Avx512Blocks<T>::kLanes;
+  constexpr bool lanes = avx512::Blocks<T>::kLanes;
 #else
   constexpr bool lanes = false;
 #endif
@@ -1220,13 +963,13 @@ void linear_blocks(const float* x, const Matrix& w, const float* bias, float* ou
   }
   const Path path = choose_path();
   const int64_t K32 = K & ~(kStep - 1);
-  // Buffered paths hold a group of dequantized rows; the AVX-512 one only past kDirectRows rows.
-  const bool buffered = path != Path::avx512 || R > kDirectRows;
+  // A group of dequantized rows is buffered past the path's register tiles' rows.
+  const bool buffered = R > direct_rows(path);
   std::vector<float> x_lanes;
 #ifdef SPECENGINE_X86
   bool lanes = false;
   for (int64_t p = 0; p < w.part_count; ++p) lanes = lanes || functions(w.parts[p].type).lane_order;
-  if (path == Path::avx512 && lanes) x_lanes = x_in_lanes(x, R, K, K32);
+  if (path == Path::avx512 && lanes) x_lanes = avx512::x_in_lanes(x, R, K, K32);
 #endif
 #pragma omp parallel if (N * K >= kParallelWeights)
   {
