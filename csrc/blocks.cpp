@@ -255,7 +255,8 @@ SPECENGINE_INLINE __m128i scale_min_k4_bytes(const uint8_t* p) {
 // ---- The vector paths: one design at two widths -------------------------------------------
 // blocks_simd.inc holds the tiles, the buffered path, the dequantization and a thread's slice,
 // written once; each width below provides its vector operations, its formats' decoders (Blocks,
-// Group) and its measured choices, and includes it under its own instruction-set target.
+// Group) and its measured choices, and includes it under its own instruction-set target (a
+// pragma over the region: GCC's and clang's differ).
 
 bool use_blocks_avx2() {
   static const bool f16c = __builtin_cpu_supports("f16c");
@@ -268,8 +269,12 @@ bool use_blocks_avx512() {
   return f16c && use_avx512();
 }
 
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
+#endif
 namespace avx2 {
 // ---- AVX2: 8 lanes ---------------------------------------------------------------------------
 // A group of 32 weights is 4 vectors of 8 in natural order, each made as it is used (Group: one
@@ -500,10 +505,18 @@ SPECENGINE_INLINE void store_tile(const Slice& s, const __m256 (&acc)[ROWS][COLS
 
 #include "blocks_simd.inc"
 }  // namespace avx2
+#ifdef __clang__
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma,f16c"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma,f16c")
+#endif
 namespace avx512 {
 // ---- AVX-512: 16 lanes ------------------------------------------------------------------------
 
@@ -833,7 +846,11 @@ SPECENGINE_INLINE void store_tile(const Slice& s, const __m512 (&acc)[ROWS][COLS
 
 #include "blocks_simd.inc"
 }  // namespace avx512
+#ifdef __clang__
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 #endif  // SPECENGINE_X86
 
 using Path = VectorPath;
