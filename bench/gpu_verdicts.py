@@ -339,20 +339,21 @@ def junit_counts(results: Results, prefix: str, files: tuple[str, ...]) -> dict 
 def kernel_tests_verdict(results: Results) -> Verdict:
     if "kernel_tests" in results.legacy:
         return results.legacy["kernel_tests"]
-    return tests_verdict(results, "compiled Triton exact-distribution tests", "kernels", KERNEL_TEST_FILES)
+    return tests_verdict(results, "compiled Triton exact-distribution tests", "kernels", KERNEL_TEST_FILES,
+                         "kernels-verify")
 
 
 def eagle3_verdict(results: Results) -> Verdict:
     return tests_verdict(results, "EAGLE-3 head in captured rounds: greedy = target-only, sampling = eager",
-                         "tests-engine", EAGLE3_TEST_FILES)
+                         "tests-engine", EAGLE3_TEST_FILES, "tests-engine")
 
 
-def tests_verdict(results: Results, goal: str, prefix: str, files: tuple[str, ...]) -> Verdict:
-    """The goal of the tests of `files` in the steps whose junit files start junit-<prefix>: all
-    that ran passed, some ran, and their steps were not cut short."""
+def tests_verdict(results: Results, goal: str, prefix: str, files: tuple[str, ...], steps: str) -> Verdict:
+    """The goal of the tests of `files` in the junit files junit-<prefix>*: all that ran passed,
+    some ran, and the steps that ran them (named `steps`...) were not cut short."""
     threshold = "all pass"
     counts = junit_counts(results, prefix, files)
-    cut = any(results.step_cut(s) for s in results.steps if s.startswith(prefix))
+    cut = any(results.step_cut(s) for s in results.steps if s.startswith(steps))
     if counts is None or counts["tests"] == 0:
         return Verdict(goal, NOT_MEASURED, threshold=threshold, note="step cut short" if cut else "no junit XML")
     ran = counts["tests"] - counts["skipped"]

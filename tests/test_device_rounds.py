@@ -67,10 +67,13 @@ def test_rounds_that_fit():
 
 @pytest.mark.parametrize("rounds_per_read", [2, 5, 64])
 @pytest.mark.parametrize("draft_kind", ["weak", "perfect"])
-def test_blocks_decode_exactly_as_round_by_round(rounds_per_read, draft_kind, block_spy):
+def test_blocks_decode_exactly_as_round_by_round(rounds_per_read, draft_kind, block_spy, monkeypatch):
     """Greedy and seeded sampling, rows of different lengths and limits (one one-token prompt),
     rows finishing inside blocks: the same tokens as the engine that reads every round. The
-    perfect draft (the target itself) accepts everything: every round emits gamma + 1 tokens."""
+    perfect draft (the target itself) accepts everything: every round emits gamma + 1 tokens.
+    Each captured call's first run follows a capture's warm-ups and their undoing, as on a GPU."""
+    from specengine.steps.graphs import CapturedCalls
+    monkeypatch.setattr(CapturedCalls, "rehearse", True)
     target, draft = models()
     if draft_kind == "perfect":
         draft = target

@@ -172,6 +172,9 @@ def test_missing_and_cut_figures_are_not_measured(tmp_path):
     # Tests that passed before their step was cut: what ran is not all there is.
     run = write_run(tmp_path / "interrupted", steps=[("kernels-verify-a", 124, 140, 140)])
     assert "step cut short" in lines(run)["compiled Triton exact-distribution tests"][1]
+    # Another step with a name alike cut short (the step kernels' tests): not these tests' steps.
+    run = write_run(tmp_path / "other", steps=[("kernels-verify-a", 0, 40, 140), ("kernels-step", 124, 140, 140)])
+    assert lines(run)["compiled Triton exact-distribution tests"][0] == PASS
 
 
 def test_the_stored_step_is_judged_only_as_the_goal_names_it(tmp_path):

@@ -79,8 +79,8 @@ class Drafter(Protocol):
 
     def use_static_steps(self, max_batch_size: int, capacity: int) -> None:
         """Run on a persistent cache of max_batch_size rows through fixed-shape steps (CUDA graphs
-        on a GPU): steps.cache becomes the staged_cache. A drafter without a model has nothing to
-        run there."""
+        on a GPU): steps.cache becomes the draft model's cache (the staged_cache of a drafter that
+        has one). A drafter without a model has nothing to run there."""
 
     def runs_in_device_rounds(self, sequences: list[list[int]], gamma: int) -> bool:
         """Whether the next rounds over these sequences, gamma drafts each, may run from device
@@ -105,6 +105,7 @@ class Drafter(Protocol):
         verification forward's features [bucket, G+1, F] float32, the tokens emitted [bucket, G+1]
         int64 (-1 past counts [bucket]), the rows' lengths before the round [bucket] int64 and which
         rows are real [bucket] bool; device ops only (see drafters.eagle3)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no features in rounds run from device state")
 
     def verified(self, starts: list[int], gamma: int, lengths: list[int]) -> None:
         """After a read of rounds that checked this drafter's drafts (a host round, or a block run

@@ -24,9 +24,11 @@ its draft vocabulary mapped to the target's ids (d2t), -inf elsewhere: exact.
 The draft phase runs three ways, one computation: eagerly on the rows in use (a long catch-up's
 pairs before its last PIECE first, in pieces); on a padded bucket of the persistent cache when
 every row lacks at most gamma + 1 pairs (what one round's verification settles), a CUDA graph per
-(bucket, gamma) on a GPU; and inside a round run from device state (engine.rounds), whose catch-up
-is the round before's verification: its features, its tokens and how many it kept, written into
-this drafter's catch-up buffers by the round itself (take_features_in_round) without a read.
+(bucket, gamma, filters) on a GPU; and inside a round run from device state (engine.rounds),
+whose catch-up is the round before's verification: its features, its tokens and how many it
+kept, written into this drafter's catch-up buffers by the round itself (take_features_in_round)
+without a read. The catch-up buffers of a (bucket, gamma) are one set, in the head's dtype (what
+fc reads: the same bits as fusing float32 features).
 
 Bits: every call of the head feeds fewer than ops.product.GEMM_MIN_TOKENS_PER_ROW tokens per row
 (long catch-ups go in pieces), so its products take the decode path in every call, and a row's
@@ -41,11 +43,11 @@ import torch
 
 from ..models.eagle3 import Eagle3Head
 from ..ops.product import GEMM_MIN_TOKENS_PER_ROW
-from ..sampling.batch import SamplingBatch
+from ..sampling.batch import SamplingBatch, fill_sampling_buffers, sampling_buffers
 from ..steps.feed import to_device
 from ..steps.graphs import FixedShapeSteps
 from .base import Drafter, Proposal
-from .model import fill_sampling_buffers, sample_drafts, sampling_buffers
+from .model import sample_drafts
 
 
 class Eagle3Drafter(Drafter):
@@ -70,6 +72,7 @@ class Eagle3Drafter(Drafter):
 
     @property
     def feature_width(self) -> int:
+        """F: the target's captured states side by side (LlamaForCausalLM.capture_features)."""
         return len(self.feature_layers) * self.model.config.target_hidden_size
 
     # ---- rows
@@ -81,7 +84,8 @@ class Eagle3Drafter(Drafter):
         if sources is not None:
             raise ValueError("an EAGLE-3 head reads a decoder-only target's features")
         if self.cache is None:
-            self.cache = self.steps.new_batch(0) if self.steps is not None else self.model.new_cache(len(prompts), capacity)
+            self.cache = (self.steps.new_batch(0) if self.steps is not None
+                          else self.model.new_cache(len(prompts), capacity))
             self.cache.reset(0)
         self.cache.reserve(self.cache.batch_size + len(prompts), max(capacity, self.cache.capacity))
         self.cache.add_rows(len(prompts))
@@ -90,6 +94,7 @@ class Eagle3Drafter(Drafter):
         self.pending += [torch.zeros(0, self.feature_width, device=self.model.device) for _ in prompts]
 
     def keep_rows(self, rows: list[int]):
+        self._block = None  # (rows leave after a read: a block's state was taken back, or its round failed)
         self.fed = [self.fed[i] for i in rows]
         self.pending = [self.pending[i] for i in rows]
         if self.cache is not None:
@@ -133,15 +138,16 @@ class Eagle3Drafter(Drafter):
             raise RuntimeError(f"rows {short} lack the target's features of tokens they hold (not handed over)")
         return lacking
 
-    def _pairs(self, sequences: list[list[int]], skip: list[int], counts: list[int], width: int, rows: int):
+    def _pairs(self, sequences: list[list[int]], skip: list[int], counts: list[int], width: int,
+               rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row's pairs from position fed + skip[b], counts[b] of them, right-padded to width,
         for a batch of `rows` rows (rows past the sequences: padding at the spill slot). Returns
-        tokens [rows, width] int64, features [rows, width, F] float32, and per row [2, rows] int64
-        the first pair's position and the index of its last pair (0 for a row without pairs)."""
+        tokens [rows, width] int64, features [rows, width, F] in the head's dtype, and [2, rows]
+        int64: each row's first pair's position and the index of its last pair (0 without pairs)."""
         capacity, device = self.cache.capacity, self.model.device
         starts = [fed + k for fed, k in zip(self.fed, skip)]
         tokens = [(s[p + 1:p + 1 + n] + [0] * width)[:width] for s, p, n in zip(sequences, starts, counts)]
-        features = torch.zeros(rows, width, self.feature_width, device=device)
+        features = torch.zeros(rows, width, self.feature_width, dtype=self.model.dtype, device=device)
         for b, (k, n) in enumerate(zip(skip, counts)):
             features[b, :n] = self.pending[b][k:k + n]
         padding = rows - len(sequences)
@@ -182,31 +188,34 @@ class Eagle3Drafter(Drafter):
         bucket, capacity = self.steps.bucket(B), self.steps.cache.capacity
         key = ("draft phase", bucket, G, sampling.filters)
         buffers = self.steps.graphs.buffers(key, lambda: dict(
-            **self._catch_up_buffers(bucket, G), first=torch.zeros(bucket, dtype=torch.int64, device=device),
-            **sampling_buffers(bucket, device)))
-        self._fill_catch_up(buffers, sequences, lacking, bucket, G)
-        buffers["first"].copy_(to_device([len(s) for s in sequences] + [capacity] * (bucket - B), torch.int64, device))
+            first=torch.zeros(bucket, dtype=torch.int64, device=device), **sampling_buffers(bucket, device)))
+        catch_up = self._catch_up(sequences, lacking, bucket, G)
+        # Padding rows draft at the spill slot: their chain's first pair one past it, clamped there.
+        buffers["first"].copy_(to_device([len(s) for s in sequences] + [capacity + 1] * (bucket - B), torch.int64,
+                                         device))
         fill_sampling_buffers(buffers, sampling)
 
-        def phase(tokens, features, pairs, first, temperature, top_k, top_p, min_p, seeds):
+        def phase(first, temperature, top_k, top_p, min_p, seeds):
             bucket_sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, sampling.filters)
-            return self._draft_phase(tokens, features, pairs[0], pairs[1], first, bucket_sampling, G, [capacity] * G)
+            return self._draft_phase(catch_up["tokens"], catch_up["features"], catch_up["pairs"][0],
+                                     catch_up["pairs"][1], first, bucket_sampling, G, [capacity] * G)
         tokens, logits = self.steps.graphs.run(key, phase)
         return tokens[:B], logits[:B]
 
-    def _catch_up_buffers(self, bucket: int, G: int) -> dict[str, torch.Tensor]:
-        """Static inputs of a fixed-shape catch-up of gamma + 1 pairs a row (see _pairs)."""
+    def _catch_up(self, sequences: list[list[int]], lacking: list[int], bucket: int,
+                  G: int) -> dict[str, torch.Tensor]:
+        """The static catch-up buffers of a bucket at gamma G (one set, shared by the captured
+        phase of host rounds and a block's rounds), filled with each row's lacking pairs (see
+        _pairs): tokens [bucket, G+1] int64, features [bucket, G+1, F], pairs [2, bucket] int64."""
         device = self.model.device
-        return dict(tokens=torch.zeros(bucket, G + 1, dtype=torch.int64, device=device),
-                    features=torch.zeros(bucket, G + 1, self.feature_width, device=device),
-                    pairs=torch.zeros(2, bucket, dtype=torch.int64, device=device))
-
-    def _fill_catch_up(self, buffers: dict[str, torch.Tensor], sequences: list[list[int]], lacking: list[int],
-                       bucket: int, G: int):
-        tokens, features, pairs = self._pairs(sequences, [0] * len(sequences), lacking, G + 1, bucket)
-        buffers["tokens"].copy_(tokens)
-        buffers["features"].copy_(features)
-        buffers["pairs"].copy_(pairs)
+        buffers = self.steps.graphs.buffers(("catch-up", bucket, G), lambda: dict(
+            tokens=torch.zeros(bucket, G + 1, dtype=torch.int64, device=device),
+            features=torch.zeros(bucket, G + 1, self.feature_width, dtype=self.model.dtype, device=device),
+            pairs=torch.zeros(2, bucket, dtype=torch.int64, device=device)))
+        for name, filled in zip(("tokens", "features", "pairs"),
+                                self._pairs(sequences, [0] * len(sequences), lacking, G + 1, bucket)):
+            buffers[name].copy_(filled)
+        return buffers
 
     def _draft_phase(self, tokens: torch.Tensor, features: torch.Tensor, starts: torch.Tensor, last: torch.Tensor,
                      first: torch.Tensor, sampling: SamplingBatch, G: int,
@@ -251,8 +260,7 @@ class Eagle3Drafter(Drafter):
         pairs [2, bucket]: see _pairs), filled from the pairs each row lacks now; each round then
         writes the next round's (take_features_in_round), and the read after the block takes the
         last round's back (verified)."""
-        self._block = self.steps.graphs.buffers(("catch-up", bucket, gamma), lambda: self._catch_up_buffers(bucket, gamma))
-        self._fill_catch_up(self._block, sequences, self._lacking(sequences), bucket, gamma)
+        self._block = self._catch_up(sequences, self._lacking(sequences), bucket, gamma)
         return tuple(self._block.values())
 
     def draft_phase_in_round(self, last_two: torch.Tensor, lengths: torch.Tensor, real: torch.Tensor,
@@ -261,7 +269,7 @@ class Eagle3Drafter(Drafter):
         catch-up from the buffers (see ModelDrafter.draft_phase_in_round for the arguments)."""
         capacity, block = self.steps.cache.capacity, self._block
         return self._draft_phase(block["tokens"], block["features"], block["pairs"][0], block["pairs"][1],
-                                 torch.where(real, lengths, capacity), sampling, G, [capacity] * G)
+                                 torch.where(real, lengths, capacity + 1), sampling, G, [capacity] * G)
 
     def take_features_in_round(self, features: torch.Tensor, emitted: torch.Tensor, counts: torch.Tensor,
                                lengths: torch.Tensor, real: torch.Tensor):

@@ -18,7 +18,7 @@ from ..steps.graphs import FixedShapeSteps
 from ..steps.feed import to_device
 from ..models.loader import Model
 from ..ops.verify import sample_warped
-from ..sampling.batch import SamplingBatch
+from ..sampling.batch import SamplingBatch, fill_sampling_buffers, sampling_buffers
 from ..sampling.rng import STREAM_DRAFT, uniforms
 from .base import Drafter, Proposal
 
@@ -47,21 +47,6 @@ def sample_drafts(logits: torch.Tensor, positions: torch.Tensor, sampling: Sampl
         if i + 1 < G:
             logits = step(token, i)
     return torch.stack(tokens, 1), torch.stack(qs, 1)
-
-
-def sampling_buffers(bucket: int, device) -> dict[str, torch.Tensor]:
-    """Static buffers of a bucket's sampling parameters (SamplingBatch's fields, [bucket] each) for
-    a captured draft phase (padding rows hold whatever they held last: their drafts are never used)."""
-    return dict(temperature=torch.zeros(bucket, device=device),
-                top_k=torch.zeros(bucket, dtype=torch.int64, device=device),
-                top_p=torch.ones(bucket, device=device), min_p=torch.zeros(bucket, device=device),
-                seeds=torch.zeros(bucket, dtype=torch.int64, device=device))
-
-
-def fill_sampling_buffers(buffers: dict[str, torch.Tensor], sampling: SamplingBatch):
-    """Copy the rows' sampling parameters into the first rows of sampling_buffers'."""
-    for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
-        buffers[name][:len(getattr(sampling, name))].copy_(getattr(sampling, name))
 
 
 class ModelDrafter(Drafter):

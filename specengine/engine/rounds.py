@@ -36,7 +36,7 @@ import torch
 
 from ..drafters.base import Drafter, Proposal
 from ..ops.verify import verify
-from ..sampling.batch import SamplingBatch, rows_valid
+from ..sampling.batch import SamplingBatch, fill_sampling_buffers, rows_valid, sampling_buffers
 from ..sampling.logprobs import TokenLogprob, token_logprobs
 from ..steps.feed import to_device
 from ..steps.graphs import FixedShapeSteps
@@ -225,7 +225,7 @@ class RoundRunner:
         """The plan's rounds per read, or one (a host round) where the drafter cannot draft from
         device state now: what the scheduler cannot see."""
         if most > 1 and gamma == 0 and self.drafter is not None and self.drafter.feature_layers:
-            return 1  # a feature drafter takes every verification's features: a round that drafts nothing hands them over
+            return 1  # a feature drafter takes every verification's features: a round without drafts hands them over
         if most > 1 and gamma > 0 and not self.drafter.runs_in_device_rounds(sequences, gamma):
             return 1  # a host round first: its catch-up feeds the draft model what rounds at gamma 0 skipped
         return most
@@ -343,12 +343,9 @@ class RoundRunner:
         key = ("round", bucket, layout, sampling.filters, self.verify_impl)
         buffers = steps.graphs.buffers(key, lambda: dict(
             log=torch.zeros(bucket, layout.columns, dtype=torch.int64, device=device),
-            temperature=torch.zeros(bucket, device=device), top_k=torch.zeros(bucket, dtype=torch.int64, device=device),
-            top_p=torch.ones(bucket, device=device), min_p=torch.zeros(bucket, device=device),
-            seeds=torch.zeros(bucket, dtype=torch.int64, device=device)))
+            **sampling_buffers(bucket, device)))
         buffers["log"].copy_(to_device(layout.start(sequences, bucket - B, capacity), torch.int64, device))
-        for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
-            buffers[name][:B].copy_(getattr(sampling, name))
+        fill_sampling_buffers(buffers, sampling)
         # A round advances its own log, the target cache's lengths and the drafter's state: a
         # capture's warm-ups are undone on them.
         state = (steps.cache.row_lengths(bucket),) + (drafter.device_round_state(sequences, bucket, gamma)

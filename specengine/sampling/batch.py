@@ -33,6 +33,21 @@ class SamplingBatch:
                              self.filters)
 
 
+def sampling_buffers(bucket: int, device) -> dict[str, torch.Tensor]:
+    """Static buffers of a bucket's sampling parameters (SamplingBatch's fields, [bucket] each),
+    for a captured call (padding rows hold whatever they held last: their results are never used)."""
+    return dict(temperature=torch.zeros(bucket, device=device),
+                top_k=torch.zeros(bucket, dtype=torch.int64, device=device),
+                top_p=torch.ones(bucket, device=device), min_p=torch.zeros(bucket, device=device),
+                seeds=torch.zeros(bucket, dtype=torch.int64, device=device))
+
+
+def fill_sampling_buffers(buffers: dict[str, torch.Tensor], sampling: SamplingBatch):
+    """Copy the rows' sampling parameters into the first rows of sampling_buffers'."""
+    for name in ("temperature", "top_k", "top_p", "min_p", "seeds"):
+        buffers[name][:len(getattr(sampling, name))].copy_(getattr(sampling, name))
+
+
 class InvalidLogitsError(ValueError):
     """A model produced NaN or +inf logits, or masked every token of a row."""
 

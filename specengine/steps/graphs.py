@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.kv_cache import StaticKVCache
+from ..models.eagle3 import Eagle3Head
 from ..models.llama import LlamaForCausalLM
 
 log = logging.getLogger("specengine")
@@ -44,6 +45,7 @@ class _Entry:
     buffers: dict[str, torch.Tensor]               # static inputs, filled by the caller before each run
     outputs: tuple[torch.Tensor, ...] | None = None  # static outputs of the captured graph
     graph: "torch.cuda.CUDAGraph | None" = None
+    rehearsed: bool = False                        # see CapturedCalls.rehearse
 
 
 class CapturedCalls:
@@ -55,6 +57,11 @@ class CapturedCalls:
     cannot overwrite what a caller kept. With use_graphs off, or after a capture failed (the reason
     is logged and kept in fallback_reason), the functions run eagerly on the same buffers.
     """
+
+    # Where nothing is captured (a CPU), run a capture's warm-ups and their undoing before a key's
+    # first run anyway: the tests set it, so that a stateful call whose state misses a tensor
+    # decodes wrongly on a CPU as it would on a GPU.
+    rehearse = False
 
     def __init__(self, use_graphs: bool):
         self.use_graphs = use_graphs
@@ -90,24 +97,32 @@ class CapturedCalls:
                 for other in self.entries.values():
                     other.graph = other.outputs = None
         if entry.graph is None:
+            if self.rehearse and not entry.rehearsed:
+                entry.rehearsed = True
+                self._warm_up(fn, entry.buffers, state)
             return fn(**entry.buffers)
         entry.graph.replay()
         self.replays += 1
         return tuple(t.clone() for t in entry.outputs)
 
-    def _capture(self, fn, buffers, state):
-        # Two warm-up runs on a side stream keep lazy initialisation, Triton compilation and
-        # allocations out of the graph. They run on the caller's inputs, so any state they write
-        # (cache entries) is what the replay writes again; a stateful fn's buffers and state are
-        # put back as they were (cache entries written past a row's length stay unread).
+    @staticmethod
+    def _warm_up(fn, buffers, state):
+        """Two runs on the caller's inputs (any state they write, cache entries, is what the next
+        run writes again); a stateful fn's buffers and state are then put back as they were
+        (cache entries written past a row's length stay unread)."""
         saved = None if state is None else [(t, t.clone()) for t in (*buffers.values(), *state)]
+        for _ in range(2):
+            fn(**buffers)
+        for tensor, copy in saved or ():
+            tensor.copy_(copy)
+
+    def _capture(self, fn, buffers, state):
+        # The warm-ups run on a side stream: lazy initialisation, Triton compilation and
+        # allocations stay out of the graph.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                fn(**buffers)
-            for tensor, copy in saved or ():
-                tensor.copy_(copy)
+            self._warm_up(fn, buffers, state)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -124,7 +139,8 @@ class FixedShapeSteps:
     drafter's whole draft phase) is captured in `graphs` too, under keys of its own.
     """
 
-    def __init__(self, model: LlamaForCausalLM, max_batch_size: int, capacity: int, use_graphs: bool | None = None):
+    def __init__(self, model: "LlamaForCausalLM | Eagle3Head", max_batch_size: int, capacity: int,
+                 use_graphs: bool | None = None):
         on_cuda = model.device.type == "cuda"
         use_graphs = on_cuda if use_graphs is None else use_graphs
         if use_graphs and not on_cuda:
@@ -159,8 +175,10 @@ class FixedShapeSteps:
         `features` afterwards ([B, T, F]), replayed or not."""
         B, T = tokens.shape
         bucket, capacity, device = self.bucket(B), self.cache.capacity, tokens.device
-        # (Whether the model captures features is fixed per engine: its runner sets it every step.)
-        key = (bucket, T)
+        # A graph captured while the model captured no features returns none: one per capture set
+        # (an engine measuring its costs may run before its runner sets the capture again).
+        layers = getattr(self.model, "feature_layers", ())
+        key = (bucket, T) + ((layers,) if layers else ())
         # Padding rows start at the spill slot: their writes land where no query reads, so they
         # never touch a live cache entry.
         buffers = self.graphs.buffers(key, lambda: dict(
