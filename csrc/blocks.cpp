@@ -296,7 +296,6 @@ constexpr int64_t kPrefetch = 4096;
 // bench/results/kernel-tuning-2026-11-29-to-12-03.md). 5 to 8 rows take one weight row at a
 // time, every block dequantized once for all rows.
 constexpr int64_t kDirectRows = 8;
-constexpr int64_t kMultiColumnRows = 4;
 constexpr bool kScalesAhead = false;  // for one row of x the scales bound the loop (above)
 constexpr bool kHoistX = false;       // up to 8 rows x 4 vectors of x: more than 16 registers
 // Buffered tiles: up to 6 rows x 2 weight rows (12 accumulators, 2 weight vectors, one of x).
@@ -527,7 +526,6 @@ constexpr int kLanes = 16;
 constexpr int64_t kPrefetch = 16384;
 // Register tiles of more rows of x measured slower (bench/results/avx512-direct-rows-2026-12-03.md).
 constexpr int64_t kDirectRows = 4;
-constexpr int64_t kMultiColumnRows = 4;
 constexpr bool kScalesAhead = true;  // (see below)
 constexpr bool kHoistX = true;       // up to 4 rows x 2 vectors of x: 8 of 32 registers
 // Buffered tiles: up to 6 rows x 4 weight rows (24 accumulators, 4 weight vectors, one of x).

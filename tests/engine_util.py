@@ -96,6 +96,19 @@ def assert_kernels_ran(*models):
             assert model.backend.name == "triton"
 
 
+def assert_blocks_ran_on_their_path(engine, device: str):
+    """An engine with cuda_graphs and blocks of rounds ran them on its device's path: its target's and
+    drafter's fixed-shape steps without a capture failure, the compiled kernels on CUDA (no torch
+    fallback), and there graphs replayed, each block's rounds from one captured graph a round (its
+    warm-ups undone before capture)."""
+    assert engine.target_steps.fallback_reason is None and engine.drafter.steps.fallback_reason is None
+    assert_kernels_ran(engine.target, engine.drafter.model)
+    if device == "cuda":
+        assert engine.target_steps.replays > 0 and engine.drafter.steps.replays > 0
+        assert any(key[0] == "round" and entry.graph is not None
+                   for key, entry in engine.target_steps.graphs.entries.items())
+
+
 def join(drafter, prompts: list[list[int]], capacity: int = 32):
     """Requests join a drafter as they join the engine's running batch (engine.runner): with a
     staged_cache, each gets a staged row there holding all but its prompt's last token (prefilled
