@@ -146,7 +146,8 @@ void rms_norm_py(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t R, int64_
 
 // A Matrix from its flat descriptor (specengine/ops/blocks_cpp.py's matrix_descriptor):
 // [in_features, part_count, type0, data0, rows0, type1, data1, rows1, ...], read from the sequence
-// in place (no copy through pybind11's casters): a small product costs only ~10 us.
+// in place (no copy through pybind11's casters): a small product costs only microseconds
+// (bench/results/host-overheads-2026-11-29-to-12-03.md).
 specengine::Matrix matrix_from(py::handle descriptor) {
   PyObject* fast = PySequence_Fast(descriptor.ptr(), "a matrix descriptor must be a sequence of ints");
   if (fast == nullptr) throw py::error_already_set();

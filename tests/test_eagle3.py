@@ -530,14 +530,13 @@ def sampled(n: int, temperature: float = 1.0):
 
 
 @pytest.mark.parametrize("rounds_per_read", [1, 4])
-def test_fixed_shape_steps_and_blocks_draft_as_eager_rounds(planted, baseline, rounds_per_read, reads, monkeypatch):
+def test_fixed_shape_steps_and_blocks_draft_as_eager_rounds(planted, baseline, rounds_per_read, reads,
+                                                           rehearsed_captures):
     """cuda_graphs on a CPU (the fixed-shape steps and draft phases, eagerly, each first run after
     a capture's warm-ups and their undoing, as on a GPU) with host rounds, or blocks of rounds from
     device state whose catch-up is the round before's verification: greedy output is
     target-only's, and seeded sampling (which follows q through every acceptance test) gives the
     eager engine's tokens."""
-    from specengine.steps.graphs import CapturedCalls
-    monkeypatch.setattr(CapturedCalls, "rehearse", True)
     options = dict(gamma=3, cuda_graphs=True, max_batch_size=4, rounds_per_read=rounds_per_read)
     prompts = [prompt(9, 1), prompt(40, 2), [5, 3]]
     want = [r.token_ids for r in eagle_engine(*planted, gamma=3).generate(prompts, sampled(24))]

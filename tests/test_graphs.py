@@ -10,6 +10,7 @@ from specengine.steps.graphs import FixedShapeSteps, batch_bucket
 from specengine.steps.feed import feed
 from specengine.sampling.batch import SamplingBatch
 
+from bounds import Float64Llama
 from engine_util import assert_kernels_ran, device_head_dims, join, tiny_model
 
 V = 40
@@ -28,7 +29,7 @@ def test_batch_buckets():
 
 def test_static_steps_give_the_eager_logits_and_touch_only_their_own_slots():
     """Three rows padded to a bucket of four (after a batch of four used it, leaving stale
-    entries): the rows' logits equal a plain forward on a fresh cache in the same state; the
+    entries): the rows' logits are the model's (within float32's bound of the exact ones); the
     step writes each row's new positions, and the padding row writes only the spill slot."""
     model = tiny_model(V, seed=1, hidden_size=32)
     steps = FixedShapeSteps(model, max_batch_size=8, capacity=24)
@@ -37,15 +38,14 @@ def test_static_steps_give_the_eager_logits_and_touch_only_their_own_slots():
         steps(torch.full((4, 2), 9), torch.full((4,), 5))
     prompts = PROMPTS[:3]
     cache = steps.new_batch(3)
-    plain = model.new_cache(3, 24)
     with torch.no_grad():
         feed(model, cache, prompts)
-        feed(model, plain, prompts)
         before_k = cache.k.clone()
         tokens = torch.tensor([[4, 8], [1, 2], [30, 31]])
         got = steps(tokens, cache.lengths)
-        want = model.logits(model(tokens, plain.lengths.clone(), plain))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    exact = Float64Llama.from_specengine(model)  # both within float32's bound of the exact logits
+    for b, p in enumerate(prompts):
+        exact.logits(p + tokens[b].tolist())[-2:].check(got[b], f"row {b}")
     changed = (cache.k != before_k).any(-1).any(-1).any(0)  # [rows, slots]: written in some layer or head
     for b, p in enumerate(prompts):
         assert changed[b].nonzero().flatten().tolist() == [len(p), len(p) + 1]
@@ -148,10 +148,9 @@ def test_static_draft_phase_is_one_fixed_shape_computation_and_decodes_as_eager(
         first = drafter.propose(prompts, [2, 2, 2], sampling).logits[:, 0]
         # as the eager path leaves it: the catch-up and one draft step fed, the last draft not
         assert drafter.cache.lengths.tolist() == [len(p) + 1 for p in prompts]
-        for row, prompt in enumerate(prompts):
-            fresh = model.new_cache(1, 32)
-            want = model.logits(model(torch.tensor([prompt]), fresh.lengths.clone(), fresh))[0, -1]
-            torch.testing.assert_close(first[row], want, atol=1e-5, rtol=1e-5)
+    exact = Float64Llama.from_specengine(model)
+    for row, prompt in enumerate(prompts):
+        exact.logits(prompt)[-1].check(first[row], f"row {row}")
 
 
 def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed():
@@ -166,9 +165,7 @@ def test_drafter_catch_up_after_rounds_without_drafts_takes_the_eager_feed():
     sequence = [1, 2, 3, 5, 6, 7]  # three target-only rounds later: 4 tokens to catch up on
     with torch.no_grad():
         proposal = drafter.propose([sequence], [2], sampling)
-        fresh = model.new_cache(1, 32)
-        want = model.logits(model(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[:, -1]
-    torch.testing.assert_close(proposal.logits[:, 0], want, atol=1e-5, rtol=1e-5)
+    Float64Llama.from_specengine(model).logits(sequence)[-1].check(proposal.logits[0, 0])
     assert drafter.cache.lengths.tolist() == [len(sequence) + 1]  # the gap, then one draft step
 
 
@@ -191,9 +188,7 @@ def test_drafter_catch_up_after_a_rejection_then_rounds_without_drafts(static_st
         drafter.verified([3], 3, [4])         # the engine says so after the round
         sequence = [1, 2, 3, rejected, 5, 6]  # two target-only rounds later
         proposal = drafter.propose([sequence], [2], sampling)
-        fresh = model.new_cache(1, 32)
-        want = model.logits(model(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[:, -1]
-    torch.testing.assert_close(proposal.logits[:, 0], want, atol=1e-5, rtol=1e-5)
+    Float64Llama.from_specengine(model).logits(sequence)[-1].check(proposal.logits[0, 0])
 
 
 @pytest.mark.parametrize("static_steps", [False, True])
@@ -239,10 +234,7 @@ def test_eager_draft_steps_see_their_whole_prefix_and_name_their_keys():
         proposal = drafter.propose(prompts, [4, 4, 4], sampling)
     del model.forward
     assert kv_lens[1:] == [len(prompts[0]) + i + 1 for i in range(3)]  # after the catch-up
-    with torch.no_grad():
-        for row, prompt in enumerate(prompts):
-            sequence = prompt + proposal.tokens[row].tolist()
-            fresh = model.new_cache(1, 32)
-            want = model.logits(model(torch.tensor([sequence]), fresh.lengths.clone(), fresh))[0]
-            torch.testing.assert_close(proposal.logits[row], want[len(prompt) - 1: len(prompt) + 3], atol=1e-5,
-                                       rtol=1e-5)
+    exact = Float64Llama.from_specengine(model)
+    for row, prompt in enumerate(prompts):
+        sequence = prompt + proposal.tokens[row].tolist()
+        exact.logits(sequence)[len(prompt) - 1: len(prompt) + 3].check(proposal.logits[row], f"row {row}")

@@ -12,7 +12,7 @@ Every configuration runs in one process after a warm-up; the repeats are interle
     target-only on the same weights in bfloat16 (what specengine holds them in), and its own
     speculative decoding (prompt lookup, the one its Python API has). Not on the quantized file
     itself: on this project's CPU (AVX-512 with AMX) llama.cpp 0.3.36's repacked Q4_1 weights
-    crashed and without repacking ran at about 2 tok/s.
+    crashed and without repacking ran far slower (bench/results/e2e-2026-12-01.md).
 Prompts: for a target with a chat template, held-out chat requests (specengine.devtools.corpus,
 a split no shipped model trained on) through the template; else code cut from the pycode pair's
 held-out files. Per configuration: tokens/s, ratios to HF and HF assisted, alpha (overall and by draft

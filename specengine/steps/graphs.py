@@ -45,7 +45,6 @@ class _Entry:
     buffers: dict[str, torch.Tensor]               # static inputs, filled by the caller before each run
     outputs: tuple[torch.Tensor, ...] | None = None  # static outputs of the captured graph
     graph: "torch.cuda.CUDAGraph | None" = None
-    rehearsed: bool = False                        # see CapturedCalls.rehearse
 
 
 class CapturedCalls:
@@ -57,11 +56,6 @@ class CapturedCalls:
     cannot overwrite what a caller kept. With use_graphs off, or after a capture failed (the reason
     is logged and kept in fallback_reason), the functions run eagerly on the same buffers.
     """
-
-    # Where nothing is captured (a CPU), run a capture's warm-ups and their undoing before a key's
-    # first run anyway: the tests set it, so that a stateful call whose state misses a tensor
-    # decodes wrongly on a CPU as it would on a GPU.
-    rehearse = False
 
     def __init__(self, use_graphs: bool):
         self.use_graphs = use_graphs
@@ -97,9 +91,6 @@ class CapturedCalls:
                 for other in self.entries.values():
                     other.graph = other.outputs = None
         if entry.graph is None:
-            if self.rehearse and not entry.rehearsed:
-                entry.rehearsed = True
-                self._warm_up(fn, entry.buffers, state)
             return fn(**entry.buffers)
         entry.graph.replay()
         self.replays += 1
