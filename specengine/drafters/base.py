@@ -68,7 +68,7 @@ class Drafter(Protocol):
     def take_features(self, rows: list[int], starts: list[int], features: torch.Tensor, counts: list[int]) -> None:
         """With feature_layers: row rows[r] now has the target's features (LlamaForCausalLM.capture_features)
         of positions starts[r] .. starts[r] + counts[r] - 1, in features[r, :counts[r]] ([R, T, F]
-        float32): a joining prompt's (right after join_rows) and, after each host round, those of the
+        float32): a prefilled prompt's (right after join_rows) and, after each host round, those of the
         tokens verification kept. Positions come in order, each once."""
 
     def propose(self, sequences: list[list[int]], budgets: list[int], sampling: SamplingBatch) -> Proposal:

@@ -41,7 +41,7 @@ class EngineConfig:
     rounds_per_read: with cuda_graphs, run up to this many rounds from device state before reading
     their results back (a block, engine.rounds); tokens are the same as round by round. Its old
     name, check_every, is still accepted (with a DeprecationWarning).
-    prefill_chunk_tokens: prompt tokens a step prefills while other requests decode (joining
+    prefill_chunk_tokens: prompt tokens a step prefills while other requests decode (prefilling
     prompts are prefilled a chunk a step, interleaved with the rounds): "auto" (measured: about a
     round's time of prefill; no limit while nothing decodes), a multiple of prefill_budget.CHUNK
     (the GEMM threshold, 32 tokens), or None (0): each prompt whole in the step it joins

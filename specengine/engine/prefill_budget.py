@@ -1,11 +1,11 @@
 """How much prompt a step may prefill (EngineConfig.prefill_chunk_tokens).
 
-A joining request's prompt is prefilled a chunk a step, in the same step as a round of the rows
+A prefilling request's prompt is prefilled a chunk a step, in the same step as a round of the rows
 already decoding (engine.scheduler plans the chunks), so that those rows are held up by one chunk, not by the whole
 prompt. The budget is the tokens of all of a step's chunks:
 
   an int   that many tokens a step, a multiple of CHUNK (chunks end on its multiples);
-  None     no limit: every joining prompt is prefilled whole in its first step;
+  None     no limit: every prefilling prompt is prefilled whole in its first step;
   "auto"   no limit while nothing decodes (nobody waits); while rows decode, what the prefill runs
            in about half a round's time (ROUND_SHARE): a decoding row's step then takes about
            1.5 of its rounds, and a prompt joins at about a third of the machine's prefill speed. That is a multiple of CHUNK tokens while a chunk takes less than that;

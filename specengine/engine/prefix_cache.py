@@ -4,7 +4,7 @@ A chat history, a system prompt, a few-shot preamble or an agent's growing trans
 each request with tokens an earlier request prefilled. The cache keeps, per block of BLOCK prompt
 tokens, a copy of what each model's KV cache held for them (the target's, and the draft
 model's; with a feature drafter, also the target's features there, drafters.eagle3), keyed by a hash chained over the whole prefix up to the block's end: a block matches
-only where every token before it matches too. A joining request looks its prompt's full blocks
+only where every token before it matches too. An admitted request looks its prompt's full blocks
 up from the first when the scheduler admits it (engine.scheduler); the model runner copies the
 blocks found into its staged rows (engine.runner), and only the
 rest of its prompt is prefilled.

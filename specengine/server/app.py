@@ -5,7 +5,7 @@
   GET  /v1/models, /health
   GET  /metrics                                Prometheus' text format (see server/metrics.py)
 
-Every request is its own engine request, joining the running batch at the next round. A bad
+Every request is its own engine request, admitted to the running batch at the next step. A bad
 request gets HTTP 400 with an OpenAI error body naming the parameter (a body that is not JSON
 names none); a client that disconnects (streaming or not) aborts its requests, and only its own.
 ServerLimits (server/limits.py) adds the API key (401), the body's size (413), prompts, stop

@@ -79,7 +79,7 @@ def start_prefill(model: Model, cache: StaticKVCache, rows: list[int], done: lis
     counts its chunk: a cache that grows or moves its rows between the calls' layers copies a
     row's entries up to its length (layers.kv_cache), so the layers run so far are kept.
 
-    A row's entries are those of its whole prompt prefilled in one call (steps of a joining
+    A row's entries are those of its whole prompt prefilled in one call (steps of a prefilling
     request are not its results' business): a call's products take the GEMM path by its tokens
     per row (ops.product), and either path computes each row on its own, as attention computes
     each query on its own over the keys before it. So a chunk of a prompt of
