@@ -699,16 +699,20 @@ class Float64Eagle3:
     the token drafted there, at the next position, every query seeing every key at or before it."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], embedding: torch.Tensor, heads: int, kv_heads: int,
-                 head_dim: int, eps: float, inv_freq: torch.Tensor):
-        """tensors: the published names (layer under midlayer.); embedding [V, H]: the one the
-        head uses; inv_freq [head_dim / 2]: the rotary frequencies (float32, as the models take them)."""
+                 head_dim: int, eps: float, inv_freq: torch.Tensor, prefix: str = "midlayer.",
+                 norm_before_residual: bool = False):
+        """tensors: the published names (the layer's under `prefix`: EAGLE's midlayer. or vLLM's
+        layers.0.); embedding [V, H]: the one the head uses; inv_freq [head_dim / 2]: the rotary
+        frequencies (float32, as the models take them); norm_before_residual: the layer's residual
+        is the normed hidden (vLLM's option), else the hidden itself."""
         self.t = {k: _f64(v) for k, v in tensors.items() if v.is_floating_point()}
         self.embed = _f64(embedding)
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         self.inv_freq = inv_freq.float()
+        self.prefix, self.norm_before_residual = prefix, norm_before_residual
 
     def _chain(self, features: torch.Tensor, tokens: list[int], chain: list[int], terms: int, r: _Roundings):
-        t, L = self.t, lambda name: self.t["midlayer." + name]  # noqa: E731
+        t, L = self.t, lambda name: self.t[self.prefix + name]  # noqa: E731
         P, D = len(tokens), self.head_dim
         n = P + len(chain)
         positions = torch.arange(n)
@@ -732,19 +736,25 @@ class Float64Eagle3:
             visible = torch.ones(1, p + 1, dtype=torch.bool)
             a = _linear(_attention(q, keys[:p + 1], values[:p + 1], visible, D ** -0.5, r),
                         L("self_attn.o_proj.weight"), None, terms, r)
-            y = _add(hidden, a, r)
+            y = _add(normed if self.norm_before_residual else hidden, a, r)
             m = _rms_norm(y, L("post_attention_layernorm.weight"), self.eps, r)
             gate = _linear(m, L("mlp.gate_proj.weight"), None, terms, r)
             up = _linear(m, L("mlp.up_proj.weight"), None, terms, r)
             outs.append(_add(y, _linear(_silu_mul(gate, up, r), L("mlp.down_proj.weight"), None, terms, r), r))
-        out = torch.cat(outs[P - 1:])  # the last pair's, then each chain step's
-        return (_linear(_rms_norm(out, t["norm.weight"], self.eps, r), t["lm_head.weight"], None, terms, r),)
+        out = torch.cat(outs)  # every pair's, then each chain step's
+        return out, _linear(_rms_norm(out, t["norm.weight"], self.eps, r), t["lm_head.weight"], None, terms, r)
 
     def chain_logits(self, features: torch.Tensor, tokens: list[int], chain: list[int], terms: int = 1) -> Logits:
         """Exact draft-vocabulary logits [1 + len(chain), Vd] and their bounds: the last pair's
         (features [P, F] float32 with tokens [P]) and each chain step's (chain: the tokens fed back)."""
-        (exact,), (spread,) = _estimate(lambda r: self._chain(features, tokens, chain, terms, r))
-        return Logits(exact, spread)
+        return self.outputs(features, tokens, chain, terms)[1][len(tokens) - 1:]
+
+    def outputs(self, features: torch.Tensor, tokens: list[int], chain: list[int],
+                terms: int = 1) -> tuple[Logits, Logits]:
+        """Every position's output before the final norm [P + len(chain), H] and draft-vocabulary
+        logits [P + len(chain), Vd], exact with their bounds (Logits of each)."""
+        (out, logits), (out_spread, spread) = _estimate(lambda r: self._chain(features, tokens, chain, terms, r))
+        return Logits(out, out_spread), Logits(logits, spread)
 
 
 # ---- T5 encoder-decoder models: the same, for original T5 and v1.1 ------------------------------

@@ -1,11 +1,10 @@
 """The EAGLE-3 feature drafter (models.eagle3, drafters.eagle3): the head loaded from a hand-made
-checkpoint in the published layout and checked against a float64 forward written here from the
-format's description; heads that do not fit the target refused by name; the target's captured
+checkpoint in the published layout and checked against the format's float64 forward within
+float32's bound (bounds.Float64Eagle3); heads that do not fit the target refused by name; the target's captured
 features against transformers' output_hidden_states on every backend and through forwards cut
 by layers; in the engine, greedy output equal to target-only on every path, the exact sampling
 distribution, seeded sampling the same at batch 1 and 3, and the prefix cache changing nothing."""
 import json
-import math
 
 import pytest
 import torch
@@ -15,8 +14,10 @@ from specengine import Engine, SamplingParams
 from specengine.drafters.eagle3 import Eagle3Drafter
 from specengine.engine.gamma import CostModel
 from specengine.models.config import CheckpointError, ConfigError
+from specengine.layers.rotary import rope_inv_freq
 from specengine.models.eagle3 import Eagle3Head, is_eagle3_folder, load_eagle3
 
+from bounds import Float64Eagle3
 from engine_util import assert_blocks_ran_on_their_path, device_head_dims, tiny_model
 from stats_util import chi_square_pvalue
 
@@ -68,59 +69,14 @@ def write_head(folder, config, tensors):
     return folder
 
 
-# ---- the published computation in float64, from the format's description (not the module) ----
+# ---- the published computation in float64 (bounds.Float64Eagle3, written from the format) -----
 
-def _rms(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _rope(x, positions, theta=10000.0):
-    """Rotary embedding, rotate-half form; x [T, heads, d]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    freqs = positions.double()[:, None] * inv
-    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
-    rotated = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
-    return x * cos + rotated * sin
-
-
-def reference_chain(t, embedding, features, tokens, chain, prefix="midlayer.", norm_before_residual=False):
-    """Outputs and target-vocabulary logits of an EAGLE-3 head, float64: pairs (fc(features[i]),
-    tokens[i]) at positions 0..P-1, then chain tokens, each paired with the output before it.
-    t: the checkpoint's tensors; embedding [V, H]. norm_before_residual: the residual is the
-    normed hidden (vLLM's option), else the hidden itself."""
-    d = {k: v.double() for k, v in t.items() if v.is_floating_point()}
-    L = lambda name: d[prefix + name]  # noqa: E731
-    H = embedding.shape[1]
-    hd = H // HEADS
-    keys, values, outs = [], [], []
-    hiddens = list(features.double() @ d["fc.weight"].T)
-    all_tokens = list(tokens) + list(chain)
-    for pos, token in enumerate(all_tokens):
-        hidden = hiddens[pos] if pos < len(hiddens) else outs[-1]
-        normed = _rms(hidden, L("hidden_norm.weight"))
-        x = torch.cat([_rms(embedding[token].double(), L("input_layernorm.weight")), normed])
-        p = torch.tensor([pos])
-        q = _rope((x @ L("self_attn.q_proj.weight").T).view(1, HEADS, hd), p)[0]
-        keys.append(_rope((x @ L("self_attn.k_proj.weight").T).view(1, KV_HEADS, hd), p)[0])
-        values.append((x @ L("self_attn.v_proj.weight").T).view(KV_HEADS, hd))
-        K, Vv = torch.stack(keys), torch.stack(values)  # [pos + 1, kv heads, hd]
-        group = HEADS // KV_HEADS
-        heads = []
-        for h in range(HEADS):
-            w = torch.softmax(K[:, h // group] @ q[h] / math.sqrt(hd), 0)
-            heads.append(w @ Vv[:, h // group])
-        y = (normed if norm_before_residual else hidden) + torch.cat(heads) @ L("self_attn.o_proj.weight").T
-        m = _rms(y, L("post_attention_layernorm.weight"))
-        gate, up = m @ L("mlp.gate_proj.weight").T, m @ L("mlp.up_proj.weight").T
-        outs.append(y + (torch.nn.functional.silu(gate) * up) @ L("mlp.down_proj.weight").T)
-    out = torch.stack(outs)
-    scores = _rms(out, d["norm.weight"]) @ d["lm_head.weight"].T
-    V = embedding.shape[0]
-    logits = torch.full((len(outs), V), float("-inf"), dtype=torch.float64)
-    ids = torch.arange(scores.shape[1]) + t["d2t"]
-    logits[:, ids] = scores
-    return out, logits
+def float64_head(t, embedding, head, prefix="midlayer.", norm_before_residual=False) -> Float64Eagle3:
+    """The head of tensors t (its published names; embedding [V, H] the one it uses) in float64,
+    with float32's bounds (tests/bounds.py)."""
+    c = head.config
+    return Float64Eagle3(t, embedding, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                         rope_inv_freq(c.rope, c.head_dim), prefix, norm_before_residual)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +106,7 @@ def test_the_head_computes_the_published_forward(target, tmp_path, backend, stor
     features = torch.randn(7, 3 * 32, generator=g)
     tokens = torch.randint(0, 32, (7,), generator=g).tolist()
     chain = [5, 17]
-    ref_out, ref_logits = reference_chain(t, target.model.embed_tokens.weight, features, tokens, chain)
+    exact_out, exact_logits = float64_head(t, target.model.embed_tokens.weight, head).outputs(features, tokens, chain)
     cache = head.new_cache(1, 16)
     outs = []
     for a, b in ((0, 4), (4, 7)):  # the pairs in two calls
@@ -162,11 +118,11 @@ def test_the_head_computes_the_published_forward(target, tmp_path, backend, stor
         outs.append(hidden[0])
     out = torch.cat(outs)
     assert head.triton_fallback_reason is None and head.backend.name == backend  # its own kernels ran
-    torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-4)
-    logits = head.logits(out)
-    assert torch.equal(torch.isinf(logits), torch.isinf(ref_logits))
-    finite = torch.isfinite(ref_logits)
-    torch.testing.assert_close(logits.double()[finite], ref_logits[finite], rtol=1e-4, atol=1e-4)
+    exact_out.check(out, "outputs")
+    logits, ids = head.logits(out), torch.tensor(draft_ids)
+    outside = torch.ones(logits.shape[-1], dtype=torch.bool).index_fill_(0, ids, False)
+    assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, ids]).all()
+    exact_logits.check(logits[:, ids], "logits at the draft ids (d2t)")
 
 
 def test_vllm_names_an_own_embedding_and_norm_before_residual(target, tmp_path):
@@ -177,15 +133,15 @@ def test_vllm_names_an_own_embedding_and_norm_before_residual(target, tmp_path):
     assert head.embed_tokens is not None
     features = torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
     tokens = [4, 8, 15]
-    ref_out, _ = reference_chain(t, t["embed_tokens.weight"], features, tokens, [], prefix="layers.0.")
+    exact_out, _ = float64_head(t, t["embed_tokens.weight"], head, prefix="layers.0.").outputs(features, tokens, [])
     out = head(torch.tensor([tokens]), torch.tensor([0]), head.new_cache(1, 8), hidden=head.fuse(features[None]))[0]
-    torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-4)
+    exact_out.check(out)
     other = load_eagle3(write_head(tmp_path / "nbr", head_config(target, norm_before_residual=True), t), target)
     moved = other(torch.tensor([tokens]), torch.tensor([0]), other.new_cache(1, 8), hidden=other.fuse(features[None]))
-    ref_moved, _ = reference_chain(t, t["embed_tokens.weight"], features, tokens, [], prefix="layers.0.",
-                                   norm_before_residual=True)
-    torch.testing.assert_close(moved[0].double(), ref_moved, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(ref_moved, ref_out, atol=1e-2)  # the option matters
+    exact_moved, _ = float64_head(t, t["embed_tokens.weight"], other, prefix="layers.0.",
+                                  norm_before_residual=True).outputs(features, tokens, [])
+    exact_moved.check(moved[0])
+    assert not torch.allclose(exact_moved.exact, exact_out.exact, atol=1e-2)  # the option matters
 
 
 def test_the_drafters_q_is_the_published_chain(target, tmp_path):
@@ -203,6 +159,8 @@ def test_the_drafters_q_is_the_published_chain(target, tmp_path):
     features = torch.randn(13, 96, generator=g)  # positions 0 .. 12
     greedy = SamplingBatch.from_params([SamplingParams(temperature=0)], [0], torch.device("cpu"))
     embedding = target.model.embed_tokens.weight
+    ids = torch.tensor(draft_ids)
+    outside = torch.ones(32, dtype=torch.bool).index_fill_(0, ids[ids < 30], False)
     drafter.join_rows([seq], 64)
     drafter.take_features([0], [0], features[None, :11], [11])  # the prompt's prefill: positions 0 .. 10
     for rnd, (sequence, budget) in enumerate(((seq, 3), (None, 2))):
@@ -212,13 +170,13 @@ def test_the_drafters_q_is_the_published_chain(target, tmp_path):
         proposal = drafter.propose([sequence], [budget], greedy)
         drafts = proposal.tokens[0].tolist()
         n = len(sequence)
-        _, ref = reference_chain(t, embedding, features[:n - 1], sequence[1:], drafts[:-1])
-        q = ref[n - 2:].clone()
-        q[:, 30:] = float("-inf")
-        assert proposal.num_drafts.tolist() == [budget] and drafts == q.argmax(-1).tolist()
-        assert torch.equal(torch.isinf(proposal.logits[0]), torch.isinf(q))
-        finite = torch.isfinite(q)
-        torch.testing.assert_close(proposal.logits[0].double()[finite], q[finite], rtol=1e-4, atol=1e-4)
+        exact = float64_head(t, embedding, head).chain_logits(features[:n - 1], sequence[1:], drafts[:-1])  # [G, Vd]
+        proposable = ids < 30  # the draft ids whose target ids the tokenizer has
+        scores = exact.exact.masked_fill(~proposable, float("-inf"))
+        assert proposal.num_drafts.tolist() == [budget] and drafts == ids[scores.argmax(-1)].tolist()
+        q = proposal.logits[0]  # [G, V]: -inf but at the proposable draft ids
+        assert torch.isinf(q[:, outside]).all() and torch.isfinite(q[:, ids[proposable]]).all()
+        exact[:, proposable].check(q[:, ids[proposable]])
 
 
 @pytest.mark.parametrize("change, match", [
