@@ -167,17 +167,21 @@ class Eagle3Drafter(Drafter):
             takes = [min(n - p - d, self.PIECE) for n, p, d in zip(lacking, last_piece, done)]
             if max(takes) <= 0:
                 break
-            tokens, features, (starts, _) = self._pairs(sequences, done, takes, max(takes), B)
             width = max(takes)
-            self.model(tokens, starts, self.cache, kv_len=int(max(fed + d for fed, d in zip(self.fed, done))) + width,
+            tokens, features, (starts, _) = self._pairs(sequences, done, takes, width, B)
+            self.model(tokens, starts, self.cache, kv_len=self._fed_after(done) + width,
                        hidden=self.model.fuse(features))
             done = [d + k for d, k in zip(done, takes)]
         width = max(max(last_piece), 1)
         tokens, features, (starts, last) = self._pairs(sequences, done, last_piece, width, B)
         first = to_device([len(s) for s in sequences], torch.int64, device)
         longest = max(len(s) for s in sequences)
-        kv_lens = [max(fed + d for fed, d in zip(self.fed, done)) + width] + [longest + i for i in range(G - 1)]
+        kv_lens = [self._fed_after(done) + width] + [longest + i for i in range(G - 1)]
         return self._draft_phase(tokens, features, starts, last, first, sampling, G, kv_lens)
+
+    def _fed_after(self, done: list[int]) -> int:
+        """The most pairs a row holds once done[b] more of its own are fed (a call's keys start there)."""
+        return max(fed + d for fed, d in zip(self.fed, done))
 
     def _fixed_shape_phase(self, sequences: list[list[int]], lacking: list[int], sampling: SamplingBatch,
                            G: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +226,7 @@ class Eagle3Drafter(Drafter):
                      kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """G drafts for each of the cache's first R rows (see the module).
 
-        tokens [R, W] int64 and features [R, W, F] float32: each row's catch-up pairs, right-padded;
+        tokens [R, W] int64 and features [R, W, F] (the head's dtype): each row's catch-up pairs, right-padded;
         starts [R] int64: the first pair's position; last [R] int64: the index of its last pair;
         first [R] int64: its first draft's position (its sequence's length). kv_lens [G] (host
         ints): the keys each call attends over, the catch-up's then each chain step's.
