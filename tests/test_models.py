@@ -325,7 +325,10 @@ def test_rotary_table_rows_equal_computed_rotary(checkpoint):
     assert torch.equal(cos, rope_cos_sin(model._inv_freq, torch.tensor([[7]]), torch.bfloat16)[0])
     fresh = load_model(checkpoint("llama3-rope-gqa"))
     cache = fresh.new_cache(2, 512)  # a table of the capacity's 512 rows would miss 512..514
-    cache.lengths.copy_(torch.tensor([4, 512]))  # row 1: padding at the spill slot
+    # Row 0 holds 4 entries: written (zeros), since a growable cache's memory is not zeroed and the
+    # queries read them; row 1: padding at the spill slot.
+    cache.pretend_filled(4)
+    cache.lengths.copy_(torch.tensor([4, 512]))
     with torch.no_grad():
         hidden = fresh(torch.tensor([[5, 6, 7], [0, 0, 0]]), cache.lengths.clone(), cache, kv_len=512)
     assert hidden.shape[:2] == (2, 3) and torch.isfinite(hidden[0]).all()
